@@ -1,0 +1,27 @@
+"""attnres: Attention Residuals, the residual sum replaced by a softmax attention over depth."""
+
+from attnres.layers import DepthAttention, RMSNorm, make_stream
+from attnres.ops import (
+    SoftmaxStats,
+    depth_attention,
+    depth_stats,
+    finish_stats,
+    merge_stats,
+    naive_depth_attention,
+    naive_depth_stats,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DepthAttention",
+    "RMSNorm",
+    "SoftmaxStats",
+    "depth_attention",
+    "depth_stats",
+    "make_stream",
+    "finish_stats",
+    "merge_stats",
+    "naive_depth_attention",
+    "naive_depth_stats",
+]

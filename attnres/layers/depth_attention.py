@@ -1,0 +1,72 @@
+"""One AttnRes aggregation point as a module, and the RMSNorm whose weight an aggregation point can fuse."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from attnres.ops import depth_attention
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x * rsqrt(mean(x^2) + eps), computed in fp32 and cast back (the Llama convention)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class DepthAttention(nn.Module):
+    """One aggregation point: a zero-initialised pseudo-query and a key RMSNorm gain (DESIGN sections 3 and 8).
+
+    `proj.weight` (`[1, d]`) and `norm.weight` (`[d]`) are the Kimi K3 `*_res_proj.weight` and `*_res_norm.weight`
+    of the point's place in the model (`self_attention_res`, `mlp_res` or `output_attn_res`).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        if dim < 1:
+            raise ValueError(f"dim: expected a positive hidden size, got {dim}")
+        self.proj = nn.Linear(dim, 1, bias=False)
+        self.norm = RMSNorm(dim, eps)
+        nn.init.zeros_(self.proj.weight)  # zero query: training starts from the uniform average of the sources
+
+    @property
+    def eps(self) -> float:
+        return self.norm.eps
+
+    def forward(
+        self,
+        sources: Sequence[torch.Tensor] | torch.Tensor,
+        out_norm: RMSNorm | None = None,
+        *,
+        out_eps: float | None = None,
+        return_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Mix the sources; with `out_norm`, fuse that sublayer PreNorm (its eps, unless `out_eps` overrides)."""
+        if out_norm is not None and out_eps is None:
+            out_eps = out_norm.eps
+        return depth_attention(
+            sources,
+            self.proj.weight,
+            self.norm.weight,
+            eps=self.eps,
+            out_norm_weight=None if out_norm is None else out_norm.weight,
+            out_eps=out_eps,
+            return_weights=return_weights,
+        )
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.proj.weight)
+        nn.init.ones_(self.norm.weight)

@@ -1,0 +1,247 @@
+"""Residual streams: the state of one forward's residual path, driven by a model layer by layer.
+
+A model makes one stream per forward and, for each decoder layer, calls
+
+    x = stream.read(layer.input_layernorm);          stream.write(layer.self_attn(x))
+    x = stream.read(layer.post_attention_layernorm); stream.write(layer.mlp(x))
+
+and at the end `h = stream.read(model.norm)`. Each read is the next aggregation point in schedule order (attention
+side of layer 0, MLP side of layer 0, ..., then the final read); the stream returns the sublayer's normed input
+(or, with no norm, the pre-norm mixture `h`). Switching residual kind is the one argument of `make_stream`.
+
+Schedules (DESIGN section 4; `points` holds the 2L + 1 aggregation points in schedule order):
+- standard: h = v_0 + ... + v_{l-1}.
+- full: point l attends over [v_0 .. v_{l-1}].
+- block (Kimi K3 timing, `block_size` S in decoder layers): layer i is a write layer when i % S == 0; its attention
+  point attends over the bank plus the prefix (the block that just ended; for layer 0 the embedding), then the
+  prefix becomes a bank row and a new prefix starts. Every other point attends over the bank plus the prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from attnres.layers.depth_attention import DepthAttention, RMSNorm
+from attnres.ops import depth_attention, depth_stats, finish_stats, merge_stats
+from attnres.ops.two_phase import SoftmaxStats
+
+RESIDUAL_KINDS = ("standard", "full", "block")
+
+
+class ResidualStream:
+    """What every stream shares: the schedule position, the fused PreNorm and the mixture rescale."""
+
+    def __init__(self, num_layers: int, rescale_mixture: bool = False):
+        if num_layers < 1:
+            raise ValueError(f"num_layers: expected at least one decoder layer, got {num_layers}")
+        self.num_layers = num_layers
+        self.rescale_mixture = rescale_mixture
+        self.point = 0  # index of the next aggregation point: 2 * layer + (0 attention | 1 MLP), 2L the final read
+        self._pending_write = False
+        self.weights: list[torch.Tensor] | None = None
+
+    @property
+    def layer(self) -> int:
+        return self.point // 2
+
+    @property
+    def is_final(self) -> bool:
+        return self.point == 2 * self.num_layers
+
+    def read(self, norm: RMSNorm | None = None) -> torch.Tensor:
+        if self._pending_write:
+            raise RuntimeError(f"read: aggregation point {self.point - 1} still waits for its sublayer's write")
+        if self.point > 2 * self.num_layers:
+            raise RuntimeError("read: the final read has already been made; a stream serves one forward")
+        out = self._read(norm)
+        self._pending_write = not self.is_final
+        self.point += 1
+        return out
+
+    def write(self, output: torch.Tensor) -> None:
+        if not self._pending_write:
+            raise RuntimeError("write: each write must follow the read of its own sublayer")
+        self._pending_write = False
+        self._write(output)
+
+    def _out_eps(self, norm: RMSNorm | None, num_sources: int) -> float | None:
+        """The fused PreNorm's eps; with `rescale_mixture` the mixture is scaled by R, i.e. eps divided by R^2."""
+        if norm is None:
+            return None
+        return norm.eps / num_sources**2 if self.rescale_mixture else norm.eps
+
+    def _finish_unfused(self, mix: torch.Tensor, num_sources: int) -> torch.Tensor:
+        return mix * num_sources if self.rescale_mixture else mix
+
+    def _mix(self, point: DepthAttention, sources: list[torch.Tensor], norm: RMSNorm | None) -> torch.Tensor:
+        """One-shot aggregation of `sources` at `point`, with the PreNorm fused when given."""
+        R = len(sources)
+        out = point(sources, norm, out_eps=self._out_eps(norm, R), return_weights=self.weights is not None)
+        if self.weights is not None:
+            out, w = out
+            self.weights.append(w.detach())
+        return out if norm is not None else self._finish_unfused(out, R)
+
+    def _read(self, norm: RMSNorm | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _write(self, output: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class StandardStream(ResidualStream):
+    """The PreNorm baseline: the running sum of the embedding and every sublayer output."""
+
+    def __init__(self, embedding: torch.Tensor, num_layers: int):
+        super().__init__(num_layers)
+        self.hidden = embedding
+
+    def _read(self, norm):
+        return self.hidden if norm is None else norm(self.hidden)
+
+    def _write(self, output):
+        self.hidden = self.hidden + output
+
+
+class FullStream(ResidualStream):
+    """Full AttnRes: every point attends over the embedding and every earlier sublayer output."""
+
+    def __init__(self, embedding, num_layers, points: Sequence[DepthAttention], rescale_mixture=False):
+        super().__init__(num_layers, rescale_mixture)
+        _check_points(points, num_layers)
+        self.points = points
+        self.sources = [embedding]
+
+    def _read(self, norm):
+        return self._mix(self.points[self.point], self.sources, norm)
+
+    def _write(self, output):
+        self.sources.append(output)
+
+
+class BlockStream(ResidualStream):
+    """Block AttnRes with Kimi K3 timing: a bank of block summaries plus the running prefix of the current block.
+
+    With `two_phase` (default: whenever it saves reads, i.e. a block has several points and the bank several
+    rows) the completed rows are scored once for all points of the block (phase 1) and each point then merges
+    in only its own prefix (phase 2). `record_weights` forces the one-shot path, whose weights it keeps.
+    """
+
+    def __init__(
+        self,
+        embedding,
+        num_layers,
+        points: Sequence[DepthAttention],
+        block_size: int,
+        rescale_mixture=False,
+        two_phase: bool | None = None,
+    ):
+        super().__init__(num_layers, rescale_mixture)
+        _check_points(points, num_layers)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size: expected a positive number of decoder layers, got {block_size!r}")
+        self.points = points
+        self.block_size = block_size
+        self.two_phase = two_phase
+        self.bank: list[torch.Tensor] = []
+        self.prefix: torch.Tensor | None = embedding  # layer 0 writes the embedding as bank row 0
+        self._phase1: SoftmaxStats | None = None  # statistics of the current block's points over the bank
+        self._phase1_start = 0
+
+    @property
+    def num_bank_rows(self) -> int:
+        """Rows the bank needs for the whole forward: ceil(num_layers / block_size)."""
+        return -(-self.num_layers // self.block_size)
+
+    def _block_points(self) -> range:
+        """Aggregation points that share the bank as it stands after this write layer's write."""
+        end = self.layer + self.block_size
+        return range(self.point, 2 * end if end < self.num_layers else 2 * self.num_layers + 1)
+
+    def _read(self, norm):
+        point = self.points[self.point]
+        if not self.is_final and self.point % 2 == 0 and self.layer % self.block_size == 0:
+            # write layer: the prefix is the block that just ended; it becomes a bank row, sources unchanged
+            self.bank.append(self.prefix)
+            self.prefix = None
+            self._phase1 = self._score_block() if self._use_two_phase() else None
+            sources = self.bank
+        else:
+            sources = [*self.bank, self.prefix]
+        if self._phase1 is None:
+            return self._mix(point, sources, norm)
+        return self._merge_prefix(point, norm, len(sources))
+
+    def _write(self, output):
+        self.prefix = output if self.prefix is None else self.prefix + output
+
+    def _use_two_phase(self) -> bool:
+        if self.weights is not None:
+            return False
+        if self.two_phase is not None:
+            return self.two_phase
+        return len(self.bank) >= 2 and len(self._block_points()) >= 2
+
+    def _score_block(self) -> SoftmaxStats:
+        """Phase 1: every point of the block against the completed rows, each row read once."""
+        points = [self.points[k] for k in self._block_points()]
+        queries = torch.cat([p.proj.weight for p in points])
+        gains = torch.stack([p.norm.weight for p in points])
+        self._phase1_start = self.point
+        return depth_stats(self.bank, queries, gains, eps=points[0].eps)
+
+    def _merge_prefix(self, point: DepthAttention, norm: RMSNorm | None, num_sources: int) -> torch.Tensor:
+        """Phase 2: this point's phase-1 statistics, merged with its own prefix (none at the write point)."""
+        t = self.point - self._phase1_start
+        stats = SoftmaxStats(*(s[t : t + 1] for s in self._phase1))
+        if self.prefix is not None:
+            stats = merge_stats(stats, depth_stats([self.prefix], point.proj.weight, point.norm.weight[None], eps=point.eps))
+        out = finish_stats(
+            stats,
+            None if norm is None else norm.weight,
+            out_eps=point.eps if norm is None else self._out_eps(norm, num_sources),
+            dtype=self.bank[0].dtype,
+        )[0]
+        return out if norm is not None else self._finish_unfused(out, num_sources)
+
+
+def _check_points(points: Sequence[DepthAttention], num_layers: int) -> None:
+    if len(points) != 2 * num_layers + 1:
+        raise ValueError(
+            f"points: expected 2 * num_layers + 1 = {2 * num_layers + 1} aggregation points "
+            f"(attention and MLP side of each layer, then the final read), got {len(points)}"
+        )
+
+
+def make_stream(
+    residual: str,
+    embedding: torch.Tensor,
+    num_layers: int,
+    points: Sequence[DepthAttention] | None = None,
+    *,
+    block_size: int | None = None,
+    rescale_mixture: bool = False,
+    two_phase: bool | None = None,
+    record_weights: bool = False,
+) -> ResidualStream:
+    """The residual stream of kind `residual` ("standard", "full" or "block") for one forward.
+
+    `points`: the 2L + 1 aggregation points in schedule order (not needed for "standard"); `block_size` counts
+    decoder layers (Kimi K3 `attn_res_block_size`); `record_weights` keeps the depth weights of every point in
+    `stream.weights`.
+    """
+    if residual == "standard":
+        stream = StandardStream(embedding, num_layers)
+    elif residual == "full":
+        stream = FullStream(embedding, num_layers, points, rescale_mixture)
+    elif residual == "block":
+        if block_size is None:
+            raise ValueError("block_size: the block residual needs a block size (in decoder layers)")
+        stream = BlockStream(embedding, num_layers, points, block_size, rescale_mixture, two_phase)
+    else:
+        raise ValueError(f"residual: expected one of {RESIDUAL_KINDS}, got {residual!r}")
+    if record_weights and residual != "standard":
+        stream.weights = []
+    return stream

@@ -1,0 +1,209 @@
+"""The depth-attention operator: one aggregation point of AttnRes (DESIGN section 3), with a hand-written backward.
+
+Forward, per token:  s_j = (x_j . c) * rsqrt(mean(x_j^2) + eps),  alpha = softmax_j(s),  m = sum_j alpha_j x_j,
+with c = g * w the key gain folded into the pseudo-query, and optionally the sublayer PreNorm o * RMSNorm(m).
+
+Backward (r_j = rsqrt(mean(x_j^2) + eps), dm the gradient reaching m):
+    ds_j = alpha_j * (dm . x_j - dm . m)
+    dx_j = alpha_j dm + ds_j r_j c - ds_j s_j r_j^2 / d * x_j
+    dc   = sum_j sum_tokens ds_j r_j x_j
+Sources are visited one at a time, so neither the stacked sources in fp32 nor the normalised keys ever exist; the
+only saved tensors are the sources themselves (no copy) and two `[R, ...]` fp32 rows (weights and rstd).
+
+The op is a `torch.library` custom op with fake and autograd registrations so `torch.compile(fullgraph=True)`
+traces through it; the public function validates, folds `c` with ordinary autograd ops and calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from attnres.ops.checks import check_eps, check_sources, check_vector
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for every model dtype; fp64 stays fp64 so that gradcheck can run the real code path."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fold_query(query: torch.Tensor, key_norm_weight: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
+    """c = g * w in the accumulator dtype (DESIGN 3 step 1): scoring against c equals scoring the RMS-normed key."""
+    c = query.reshape(-1).to(acc)
+    return c if key_norm_weight is None else c * key_norm_weight.to(acc)
+
+
+def rms_normalize(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * x * rstd, rstd) over the last dim, in x's (accumulator) dtype."""
+    rstd = torch.rsqrt(x.square().mean(-1) + eps)
+    y = x * rstd.unsqueeze(-1)
+    return (y if weight is None else y * weight.to(x.dtype)), rstd
+
+
+def rms_normalize_backward(
+    grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of `rms_normalize` w.r.t. x and weight, given its input x and saved rstd."""
+    d = x.shape[-1]
+    r = rstd.unsqueeze(-1)
+    dweight = None if weight is None else (grad * x * r).reshape(-1, d).sum(0)
+    a = grad if weight is None else grad * weight.to(x.dtype)
+    dx = r * a - x * (r**3) * (a * x).sum(-1, keepdim=True) / d
+    return dx, dweight
+
+
+def flat_tokens(x: torch.Tensor) -> torch.Tensor:
+    """`[..., d]` -> `[N, d]`: the op never mixes tokens, so every leading dim is just more tokens."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def _scores(x: torch.Tensor, c: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rstd) of one source `[N, d]` (already in the accumulator dtype) against the folded query c."""
+    rstd = torch.rsqrt(x.square().mean(-1) + eps)
+    return (x @ c) * rstd, rstd
+
+
+def _mix(xs: list[torch.Tensor], weights: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    mix = torch.zeros(xs[0].shape, dtype=acc, device=xs[0].device)
+    for x, a in zip(xs, weights):
+        mix.addcmul_(a.unsqueeze(-1), x.to(acc))
+    return mix
+
+
+@torch.library.custom_op("attnres::depth_attention_fwd", mutates_args=())
+def depth_attention_fwd(
+    sources: list[torch.Tensor],
+    c: torch.Tensor,
+    out_norm_weight: torch.Tensor | None,
+    eps: float,
+    out_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (output in the sources' dtype, weights `[R, ...]`, key rstd `[R, ...]`), both rows in fp32."""
+    acc = c.dtype
+    shape = sources[0].shape
+    xs = [flat_tokens(x) for x in sources]
+    s, rstd = zip(*(_scores(x.to(acc), c, eps) for x in xs))
+    weights = torch.stack(s).softmax(dim=0)
+    mix = _mix(xs, weights, acc)
+    if out_norm_weight is not None:
+        mix = rms_normalize(mix, out_norm_weight, out_eps)[0]
+    lead = (len(xs), *shape[:-1])
+    return mix.to(sources[0].dtype).reshape(shape), weights.reshape(lead), torch.stack(rstd).reshape(lead)
+
+
+@depth_attention_fwd.register_fake
+def _(sources, c, out_norm_weight, eps, out_eps):
+    x = sources[0]
+    lead = (len(sources), *x.shape[:-1])
+    return torch.empty_like(x), x.new_empty(lead, dtype=c.dtype), x.new_empty(lead, dtype=c.dtype)
+
+
+@torch.library.custom_op("attnres::depth_attention_bwd", mutates_args=())
+def depth_attention_bwd(
+    grad_out: torch.Tensor,
+    grad_weights: torch.Tensor | None,
+    sources: list[torch.Tensor],
+    c: torch.Tensor,
+    out_norm_weight: torch.Tensor | None,
+    weights: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+    out_eps: float,
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Returns (grad of each source, grad of c, grad of out_norm_weight (zeros when there is none))."""
+    acc = c.dtype
+    d = c.shape[0]
+    xs = [flat_tokens(x) for x in sources]
+    weights = weights.reshape(len(xs), -1)
+    rstd = rstd.reshape(len(xs), -1)
+    mix = _mix(xs, weights, acc)
+    dm = flat_tokens(grad_out).to(acc)
+    d_out_w = torch.zeros_like(c)
+    if out_norm_weight is not None:
+        _, mix_rstd = rms_normalize(mix, None, out_eps)
+        dm, d_out_w = rms_normalize_backward(dm, mix, mix_rstd, out_norm_weight)
+    # softmax backward: ds_j = alpha_j * (g_j - sum_k alpha_k g_k) with g_j = dm . x_j (+ the weights' own grad)
+    delta = (dm * mix).sum(-1)
+    if grad_weights is not None:
+        gw = grad_weights.reshape(len(xs), -1).to(acc)
+        delta = delta + (weights * gw).sum(0)
+    dc = torch.zeros_like(c)
+    grads = []
+    for j, x in enumerate(xs):
+        xf = x.to(acc)
+        g = (xf * dm).sum(-1)
+        if grad_weights is not None:
+            g = g + gw[j]
+        ds = weights[j] * (g - delta)
+        coef = ds * rstd[j]
+        s = (xf @ c) * rstd[j]
+        dx = weights[j].unsqueeze(-1) * dm + coef.unsqueeze(-1) * c - (coef * s * rstd[j] / d).unsqueeze(-1) * xf
+        dc += coef @ xf
+        grads.append(dx.to(x.dtype).reshape(sources[j].shape))
+    return grads, dc, d_out_w.to(acc)
+
+
+@depth_attention_bwd.register_fake
+def _(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps):
+    return [torch.empty_like(x) for x in sources], torch.empty_like(c), torch.empty_like(c)
+
+
+def _setup_context(ctx, inputs, output):
+    sources, c, out_norm_weight, eps, out_eps = inputs
+    _, weights, rstd = output
+    ctx.save_for_backward(c, out_norm_weight, weights, rstd, *sources)
+    ctx.eps, ctx.out_eps = eps, out_eps
+    ctx.out_norm_dtype = None if out_norm_weight is None else out_norm_weight.dtype
+
+
+def _backward(ctx, grad_out, grad_weights, grad_rstd):
+    c, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
+    # the rstd output is an internal row for the backward; it carries no gradient of its own
+    grads, dc, d_out_w = depth_attention_bwd(
+        grad_out.contiguous(), grad_weights, sources, c, out_norm_weight, weights, rstd, ctx.eps, ctx.out_eps
+    )
+    d_out_w = None if ctx.out_norm_dtype is None else d_out_w.to(ctx.out_norm_dtype)
+    return grads, dc, d_out_w, None, None
+
+
+depth_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def depth_attention(
+    sources: Sequence[torch.Tensor] | torch.Tensor,
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+    out_norm_weight: torch.Tensor | None = None,
+    out_eps: float | None = None,
+    return_weights: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    r"""Mix R sources by a softmax over depth (one AttnRes aggregation point, DESIGN section 3).
+
+    Args:
+        sources: R >= 1 tensors of equal shape `[..., d]`, dtype (fp32, bf16, fp16 or fp64) and device, or one
+            stacked tensor `[R, ..., d]` (unbound, not copied).
+        query: the pseudo-query w, `[d]` or `[1, d]`.
+        key_norm_weight: the key RMSNorm gain g, `[d]`; None means no gain.
+        eps: RMSNorm epsilon of the keys.
+        out_norm_weight: when given, the sublayer PreNorm is fused: the result is `o * m * rsqrt(mean(m^2) + out_eps)`.
+        out_eps: epsilon of that output norm; defaults to `eps`.
+        return_weights: also return the depth weights.
+
+    Returns:
+        The mixture `[..., d]` in the sources' dtype, and with `return_weights` the weights `[R, ...]` in fp32
+        (fp64 for fp64 sources). Differentiable w.r.t. every tensor argument.
+    """
+    xs = check_sources(sources)
+    d, device = xs[0].shape[-1], xs[0].device
+    check_vector("query", query, d, device, allow_rows=True)
+    check_vector("key_norm_weight", key_norm_weight, d, device)
+    check_vector("out_norm_weight", out_norm_weight, d, device)
+    eps = check_eps("eps", eps)
+    out_eps = eps if out_eps is None else check_eps("out_eps", out_eps)
+
+    c = fold_query(query, key_norm_weight, accumulator_dtype(xs[0].dtype))
+    out, weights, _ = depth_attention_fwd(xs, c, out_norm_weight, eps, out_eps)
+    return (out, weights) if return_weights else out

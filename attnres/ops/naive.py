@@ -1,0 +1,76 @@
+"""Readable PyTorch twins of the depth-attention ops (DESIGN section 3 and 5), written straight from the math.
+
+They stack the sources in fp32 and let autograd differentiate them, so they are the reference the fast paths are
+tested against, not something to train with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from attnres.ops.checks import check_eps, check_matrix, check_sources, check_vector
+from attnres.ops.depth_attention import accumulator_dtype
+from attnres.ops.two_phase import SoftmaxStats
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
+def naive_depth_attention(
+    sources: Sequence[torch.Tensor] | torch.Tensor,
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+    out_norm_weight: torch.Tensor | None = None,
+    out_eps: float | None = None,
+    return_weights: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Twin of `attnres.depth_attention`: same signature, same result, computed the obvious way."""
+    xs = check_sources(sources)
+    d = xs[0].shape[-1]
+    check_vector("query", query, d, xs[0].device, allow_rows=True)
+    check_vector("key_norm_weight", key_norm_weight, d, xs[0].device)
+    check_vector("out_norm_weight", out_norm_weight, d, xs[0].device)
+    eps = check_eps("eps", eps)
+    out_eps = eps if out_eps is None else check_eps("out_eps", out_eps)
+
+    acc = accumulator_dtype(xs[0].dtype)  # fp32, or fp64 for fp64 inputs
+    v = torch.stack(xs).to(acc)  # [R, ..., d]
+    gain = None if key_norm_weight is None else key_norm_weight.to(acc)
+    keys = _rms_norm(v, gain, eps)
+    scores = keys @ query.reshape(d).to(acc)  # [R, ...]
+    weights = scores.softmax(dim=0)
+    mix = (weights.unsqueeze(-1) * v).sum(0)
+    if out_norm_weight is not None:
+        mix = _rms_norm(mix, out_norm_weight.to(acc), out_eps)
+    out = mix.to(xs[0].dtype)
+    return (out, weights) if return_weights else out
+
+
+def naive_depth_stats(
+    sources: Sequence[torch.Tensor] | torch.Tensor,
+    queries: torch.Tensor,
+    key_norm_weights: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+) -> SoftmaxStats:
+    """Twin of `attnres.depth_stats`: the softmax statistics of S queries over the sources, from the stacked scores."""
+    xs = check_sources(sources)
+    d = xs[0].shape[-1]
+    check_matrix("queries", queries, d, xs[0].device)
+    check_matrix("key_norm_weights", key_norm_weights, d, xs[0].device)
+    eps = check_eps("eps", eps)
+
+    acc = accumulator_dtype(xs[0].dtype)
+    v = torch.stack(xs).to(acc)  # [R, ..., d]
+    keys = _rms_norm(v, None, eps)
+    c = queries.to(acc) if key_norm_weights is None else queries.to(acc) * key_norm_weights.to(acc)  # [S, d]
+    scores = torch.einsum("r...d,sd->sr...", keys, c)  # [S, R, ...]
+    m = scores.amax(dim=1).detach()
+    p = torch.exp(scores - m.unsqueeze(1))
+    return SoftmaxStats(m=m, z=p.sum(1), u=torch.einsum("sr...,r...d->s...d", p, v))

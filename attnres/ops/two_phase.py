@@ -1,0 +1,184 @@
+"""Two-phase depth attention (DESIGN section 5, the paper's Algorithm 1): an online softmax along depth.
+
+Phase 1 scores S queries against a set of sources in one pass (each source read once, not S times) and keeps, per
+query and token, the softmax statistics of that set:
+
+    m = max_j s_j (a stop-gradient shift),  z = sum_j exp(s_j - m),  u = sum_j exp(s_j - m) x_j.
+
+`merge_stats` combines two such sets exactly (never add normalised partial outputs: their denominators differ) and
+`finish_stats` turns them into the mixture u / z, optionally with the sublayer PreNorm. Any split of the sources
+into groups, merged in any order, equals the one-shot `depth_attention`.
+
+Why m may be a stop-gradient: u / z does not depend on the shift, so the gradient through it is exactly zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from attnres.ops.checks import check_eps, check_matrix, check_sources, check_vector
+from attnres.ops.depth_attention import accumulator_dtype, flat_tokens, rms_normalize
+
+
+class SoftmaxStats(NamedTuple):
+    """Softmax statistics of S queries over one set of sources: m, z `[S, ...]` and u `[S, ..., d]`, fp32."""
+
+    m: torch.Tensor
+    z: torch.Tensor
+    u: torch.Tensor
+
+
+def _scores(x: torch.Tensor, cs: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s `[S, N]`, rstd `[N]`) of one source `[N, d]` (accumulator dtype) against the folded queries `[S, d]`."""
+    rstd = torch.rsqrt(x.square().mean(-1) + eps)
+    return (cs @ x.T) * rstd, rstd
+
+
+@torch.library.custom_op("attnres::depth_stats_fwd", mutates_args=())
+def depth_stats_fwd(
+    sources: list[torch.Tensor], cs: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (m `[S, N]`, z `[S, N]`, u `[S, N, d]`, key rstd `[R, N]`) over flattened tokens."""
+    acc = cs.dtype
+    xs = [flat_tokens(x) for x in sources]
+    s, rstd = zip(*(_scores(x.to(acc), cs, eps) for x in xs))
+    s = torch.stack(s)  # [R, S, N]
+    m = s.amax(dim=0)
+    p = torch.exp(s - m)
+    u = torch.zeros((cs.shape[0], *xs[0].shape), dtype=acc, device=cs.device)
+    for x, pj in zip(xs, p):
+        u.addcmul_(pj.unsqueeze(-1), x.to(acc).unsqueeze(0))
+    return m, p.sum(0), u, torch.stack(rstd)
+
+
+@depth_stats_fwd.register_fake
+def _(sources, cs, eps):
+    x = flat_tokens(sources[0])
+    S, N = cs.shape[0], x.shape[0]
+    return cs.new_empty(S, N), cs.new_empty(S, N), cs.new_empty(S, N, x.shape[1]), cs.new_empty(len(sources), N)
+
+
+@torch.library.custom_op("attnres::depth_stats_bwd", mutates_args=())
+def depth_stats_bwd(
+    grad_z: torch.Tensor,
+    grad_u: torch.Tensor,
+    sources: list[torch.Tensor],
+    cs: torch.Tensor,
+    m: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Returns (grad of each source, grad of the folded queries), holding the shift m fixed."""
+    acc = cs.dtype
+    d = cs.shape[1]
+    dcs = torch.zeros_like(cs)
+    grads = []
+    for j, x in enumerate(sources):
+        xf = flat_tokens(x).to(acc)
+        s = (cs @ xf.T) * rstd[j]  # [S, N]
+        p = torch.exp(s - m)
+        ds = p * (grad_z + torch.einsum("snd,nd->sn", grad_u, xf))
+        coef = ds * rstd[j]
+        dx = torch.einsum("sn,snd->nd", p, grad_u) + coef.T @ cs
+        dx -= ((coef * s).sum(0) * rstd[j] / d).unsqueeze(-1) * xf
+        dcs += coef @ xf
+        grads.append(dx.to(x.dtype).reshape(x.shape))
+    return grads, dcs
+
+
+@depth_stats_bwd.register_fake
+def _(grad_z, grad_u, sources, cs, m, rstd, eps):
+    return [torch.empty_like(x) for x in sources], torch.empty_like(cs)
+
+
+def _setup_context(ctx, inputs, output):
+    sources, cs, eps = inputs
+    m, _, _, rstd = output
+    ctx.save_for_backward(cs, m, rstd, *sources)
+    ctx.eps = eps
+
+
+def _backward(ctx, grad_m, grad_z, grad_u, grad_rstd):
+    cs, m, rstd, *sources = ctx.saved_tensors
+    grad_z = torch.zeros_like(m) if grad_z is None else grad_z.contiguous()
+    grad_u = torch.zeros((*m.shape, cs.shape[1]), dtype=cs.dtype, device=cs.device) if grad_u is None else grad_u
+    grads, dcs = depth_stats_bwd(grad_z, grad_u.contiguous(), sources, cs, m, rstd, ctx.eps)
+    return grads, dcs, None
+
+
+depth_stats_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def depth_stats(
+    sources: Sequence[torch.Tensor] | torch.Tensor,
+    queries: torch.Tensor,
+    key_norm_weights: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+) -> SoftmaxStats:
+    """Phase 1: the softmax statistics of S queries over the sources, each source read once.
+
+    Args:
+        sources: R >= 1 tensors `[..., d]` (or one stacked `[R, ..., d]`), as for `depth_attention`.
+        queries: the pseudo-queries `[S, d]`.
+        key_norm_weights: the key RMSNorm gains `[S, d]` (one per query), or None for no gain.
+        eps: RMSNorm epsilon of the keys.
+
+    Returns:
+        `SoftmaxStats` with m, z `[S, ...]` and u `[S, ..., d]` in fp32 (fp64 for fp64 sources). Differentiable
+        w.r.t. sources, queries and gains; m is a stop-gradient shift.
+    """
+    xs = check_sources(sources)
+    d, device = xs[0].shape[-1], xs[0].device
+    check_matrix("queries", queries, d, device)
+    check_matrix("key_norm_weights", key_norm_weights, d, device)
+    if key_norm_weights is not None and key_norm_weights.shape != queries.shape:
+        raise ValueError(
+            f"key_norm_weights: expected one gain per query, shape {tuple(queries.shape)}, "
+            f"got {tuple(key_norm_weights.shape)}"
+        )
+    eps = check_eps("eps", eps)
+
+    acc = accumulator_dtype(xs[0].dtype)
+    cs = queries.to(acc) if key_norm_weights is None else queries.to(acc) * key_norm_weights.to(acc)
+    m, z, u, _ = depth_stats_fwd(xs, cs, eps)
+    lead = (queries.shape[0], *xs[0].shape[:-1])
+    return SoftmaxStats(m.detach().reshape(lead), z.reshape(lead), u.reshape(*lead, d))
+
+
+def merge_stats(a: SoftmaxStats, b: SoftmaxStats) -> SoftmaxStats:
+    """Phase 2: the statistics of the union of two disjoint source sets, from theirs (exact, order-free)."""
+    if a.u.shape != b.u.shape:
+        raise ValueError(f"merge_stats: both sides must have the same shape, got {tuple(a.u.shape)} and {tuple(b.u.shape)}")
+    m = torch.maximum(a.m, b.m)
+    ea, eb = torch.exp(a.m - m), torch.exp(b.m - m)
+    return SoftmaxStats(m, ea * a.z + eb * b.z, ea.unsqueeze(-1) * a.u + eb.unsqueeze(-1) * b.u)
+
+
+def finish_stats(
+    stats: SoftmaxStats,
+    out_norm_weight: torch.Tensor | None = None,
+    *,
+    out_eps: float = 1e-6,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The mixture u / z (`[S, ..., d]`), optionally through the fused sublayer PreNorm, cast to `dtype`.
+
+    `out_norm_weight` is `[d]` (shared) or `[S, d]` (one per query).
+    """
+    d = stats.u.shape[-1]
+    if out_norm_weight is not None:
+        if out_norm_weight.shape not in ((d,), (stats.u.shape[0], d)):
+            raise ValueError(
+                f"out_norm_weight: expected shape [{d}] or [{stats.u.shape[0]}, {d}], got {tuple(out_norm_weight.shape)}"
+            )
+        check_vector("out_norm_weight", out_norm_weight.reshape(-1, d)[0], d, stats.u.device)
+    out_eps = check_eps("out_eps", out_eps)
+    mix = stats.u / stats.z.unsqueeze(-1)
+    if out_norm_weight is not None:
+        w = out_norm_weight if out_norm_weight.dim() == 1 else out_norm_weight.reshape(-1, *[1] * (mix.dim() - 2), d)
+        mix = rms_normalize(mix, None, out_eps)[0] * w.to(mix.dtype)
+    return mix if dtype is None else mix.to(dtype)
