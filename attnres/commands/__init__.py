@@ -1,0 +1,1 @@
+"""Subcommands of the `attnres` CLI, one module each."""
