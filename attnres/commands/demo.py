@@ -49,6 +49,6 @@ def run(args) -> int:
         for k in range(2 * L):
             stream.write(torch.tanh(stream.read(norms[k]) @ sublayers[k]))
         out = stream.read(norms[-1])
-        rows = "" if stream.weights is None else f", sources at the final read: {stream.weights[-1].shape[0]}"
+        rows = "" if not stream.weights else f", sources at the final read: {stream.weights[-1].shape[0]}"
         print(f"   {kind:8s} {extra or ''} final hidden rms {out.pow(2).mean().sqrt():.3f}{rows}")
     return 0

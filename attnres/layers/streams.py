@@ -40,7 +40,10 @@ class ResidualStream:
         self.rescale_mixture = rescale_mixture
         self.point = 0  # index of the next aggregation point: 2 * layer + (0 attention | 1 MLP), 2L the final read
         self._pending_write = False
-        self.weights: list[torch.Tensor] | None = None
+        # when recording, each read keeps its depth weights `[R, ...]` and its pre-norm mixture `[..., d]` (analysis)
+        self.record = False
+        self.weights: list[torch.Tensor] = []
+        self.mixtures: list[torch.Tensor] = []
 
     @property
     def layer(self) -> int:
@@ -78,10 +81,11 @@ class ResidualStream:
     def _mix(self, point: DepthAttention, sources: list[torch.Tensor], norm: RMSNorm | None) -> torch.Tensor:
         """One-shot aggregation of `sources` at `point`, with the PreNorm fused when given."""
         R = len(sources)
-        out = point(sources, norm, out_eps=self._out_eps(norm, R), return_weights=self.weights is not None)
-        if self.weights is not None:
-            out, w = out
+        if self.record:
+            mix, w = point(sources, return_weights=True)
             self.weights.append(w.detach())
+            self.mixtures.append(self._finish_unfused(mix, R).detach())
+        out = point(sources, norm, out_eps=self._out_eps(norm, R))
         return out if norm is not None else self._finish_unfused(out, R)
 
     def _read(self, norm: RMSNorm | None) -> torch.Tensor:
@@ -99,6 +103,8 @@ class StandardStream(ResidualStream):
         self.hidden = embedding
 
     def _read(self, norm):
+        if self.record:
+            self.mixtures.append(self.hidden.detach())
         return self.hidden if norm is None else norm(self.hidden)
 
     def _write(self, output):
@@ -178,7 +184,7 @@ class BlockStream(ResidualStream):
         self.prefix = output if self.prefix is None else self.prefix + output
 
     def _use_two_phase(self) -> bool:
-        if self.weights is not None:
+        if self.record:
             return False
         if self.two_phase is not None:
             return self.two_phase
@@ -229,8 +235,8 @@ def make_stream(
     """The residual stream of kind `residual` ("standard", "full" or "block") for one forward.
 
     `points`: the 2L + 1 aggregation points in schedule order (not needed for "standard"); `block_size` counts
-    decoder layers (Kimi K3 `attn_res_block_size`); `record_weights` keeps the depth weights of every point in
-    `stream.weights`.
+    decoder layers (Kimi K3 `attn_res_block_size`); `record_weights` keeps, for every read, the depth weights
+    in `stream.weights` (none for "standard") and the pre-norm mixture the sublayer's norm sees in `stream.mixtures`.
     """
     if residual == "standard":
         stream = StandardStream(embedding, num_layers)
@@ -242,6 +248,5 @@ def make_stream(
         stream = BlockStream(embedding, num_layers, points, block_size, rescale_mixture, two_phase)
     else:
         raise ValueError(f"residual: expected one of {RESIDUAL_KINDS}, got {residual!r}")
-    if record_weights and residual != "standard":
-        stream.weights = []
+    stream.record = record_weights
     return stream
