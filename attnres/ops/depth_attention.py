@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from attnres.ops.backends import select_backend
 from attnres.ops.checks import check_eps, check_sources, check_vector
 
 
@@ -71,15 +72,14 @@ def _mix(xs: list[torch.Tensor], weights: torch.Tensor, acc: torch.dtype) -> tor
     return mix
 
 
-@torch.library.custom_op("attnres::depth_attention_fwd", mutates_args=())
-def depth_attention_fwd(
+def torch_depth_attention_fwd(
     sources: list[torch.Tensor],
     c: torch.Tensor,
     out_norm_weight: torch.Tensor | None,
     eps: float,
     out_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (output in the sources' dtype, weights `[R, ...]`, key rstd `[R, ...]`), both rows in fp32."""
+    """Portable forward in torch ops: one fp32 source at a time. Contract of `depth_attention_fwd`."""
     acc = c.dtype
     shape = sources[0].shape
     xs = [flat_tokens(x) for x in sources]
@@ -92,6 +92,19 @@ def depth_attention_fwd(
     return mix.to(sources[0].dtype).reshape(shape), weights.reshape(lead), torch.stack(rstd).reshape(lead)
 
 
+@torch.library.custom_op("attnres::depth_attention_fwd", mutates_args=())
+def depth_attention_fwd(
+    sources: list[torch.Tensor],
+    c: torch.Tensor,
+    out_norm_weight: torch.Tensor | None,
+    eps: float,
+    out_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (output in the sources' dtype, weights `[R, ...]`, key rstd `[R, ...]`), both rows in fp32."""
+    fwd = select_backend(sources[0]).fwd or torch_depth_attention_fwd
+    return fwd(sources, c, out_norm_weight, eps, out_eps)
+
+
 @depth_attention_fwd.register_fake
 def _(sources, c, out_norm_weight, eps, out_eps):
     x = sources[0]
@@ -99,8 +112,7 @@ def _(sources, c, out_norm_weight, eps, out_eps):
     return torch.empty_like(x), x.new_empty(lead, dtype=c.dtype), x.new_empty(lead, dtype=c.dtype)
 
 
-@torch.library.custom_op("attnres::depth_attention_bwd", mutates_args=())
-def depth_attention_bwd(
+def torch_depth_attention_bwd(
     grad_out: torch.Tensor,
     grad_weights: torch.Tensor | None,
     sources: list[torch.Tensor],
@@ -111,7 +123,7 @@ def depth_attention_bwd(
     eps: float,
     out_eps: float,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Returns (grad of each source, grad of c, grad of out_norm_weight (zeros when there is none))."""
+    """Portable backward in torch ops, one fp32 source at a time. Contract of `depth_attention_bwd`."""
     acc = c.dtype
     d = c.shape[0]
     xs = [flat_tokens(x) for x in sources]
@@ -142,6 +154,23 @@ def depth_attention_bwd(
         dc += coef @ xf
         grads.append(dx.to(x.dtype).reshape(sources[j].shape))
     return grads, dc, d_out_w.to(acc)
+
+
+@torch.library.custom_op("attnres::depth_attention_bwd", mutates_args=())
+def depth_attention_bwd(
+    grad_out: torch.Tensor,
+    grad_weights: torch.Tensor | None,
+    sources: list[torch.Tensor],
+    c: torch.Tensor,
+    out_norm_weight: torch.Tensor | None,
+    weights: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+    out_eps: float,
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Returns (grad of each source, grad of c, grad of out_norm_weight (zeros when there is none))."""
+    bwd = select_backend(sources[0]).bwd or torch_depth_attention_bwd
+    return bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps)
 
 
 @depth_attention_bwd.register_fake
