@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from attnres.ops import depth_attention
+from attnres.ops.depth_attention import fold_query
 
 
 class RMSNorm(nn.Module):
@@ -41,6 +42,23 @@ class DepthAttention(nn.Module):
         self.proj = nn.Linear(dim, 1, bias=False)
         self.norm = RMSNorm(dim, eps)
         nn.init.zeros_(self.proj.weight)  # zero query: training starts from the uniform average of the sources
+        self._fold_cache: tuple | None = None
+
+    @classmethod
+    def wrap(cls, proj: nn.Linear, norm: RMSNorm) -> DepthAttention:
+        """An aggregation point over a query `proj` (`[1, d]` weight) and key `norm` (`[d]`) owned by a model.
+
+        Lets a model register the parameters under its own (Kimi K3) names. Keep the wrapper in a plain list, not
+        as a submodule, so the parameters are saved once, under the owner's names.
+        """
+        if proj.weight.shape != (1, norm.weight.shape[0]):
+            raise ValueError(
+                f"proj: expected a [1, {norm.weight.shape[0]}] query weight to match norm, got {list(proj.weight.shape)}"
+            )
+        point = cls.__new__(cls)
+        nn.Module.__init__(point)
+        point.proj, point.norm = proj, norm
+        return point
 
     @property
     def eps(self) -> float:
@@ -66,6 +84,15 @@ class DepthAttention(nn.Module):
             out_eps=out_eps,
             return_weights=return_weights,
         )
+
+    @torch.no_grad()
+    def folded_query(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """c = g * w (`[d]`) for inference, cached until either weight changes in place, is replaced or moves."""
+        w, g = self.proj.weight, self.norm.weight
+        key = (w.data_ptr(), w._version, g.data_ptr(), g._version, dtype, w.device)
+        if self._fold_cache is None or self._fold_cache[0] != key:
+            self._fold_cache = (key, fold_query(w, g, dtype))
+        return self._fold_cache[1]
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.proj.weight)

@@ -166,13 +166,18 @@ class BlockStream(ResidualStream):
         end = self.layer + self.block_size
         return range(self.point, 2 * end if end < self.num_layers else 2 * self.num_layers + 1)
 
+    def _is_write_point(self) -> bool:
+        """The attention-side read of a write layer (layer % block_size == 0)."""
+        return not self.is_final and self.point % 2 == 0 and self.layer % self.block_size == 0
+
     def _read(self, norm):
         point = self.points[self.point]
-        if not self.is_final and self.point % 2 == 0 and self.layer % self.block_size == 0:
+        if self._is_write_point():
             # write layer: the prefix is the block that just ended; it becomes a bank row, sources unchanged
             self.bank.append(self.prefix)
             self.prefix = None
-            self._phase1 = self._score_block() if self._use_two_phase() else None
+            two_phase = self._use_two_phase(len(self.bank), len(self._block_points()), self.bank[0].element_size())
+            self._phase1 = self._score_block() if two_phase else None
             sources = self.bank
         else:
             sources = [*self.bank, self.prefix]
@@ -183,12 +188,12 @@ class BlockStream(ResidualStream):
     def _write(self, output):
         self.prefix = output if self.prefix is None else self.prefix + output
 
-    def _use_two_phase(self) -> bool:
-        if self.record:
+    def _use_two_phase(self, rows: int, points: int, elem_size: int) -> bool:
+        if self.record or points < 2:
             return False
         if self.two_phase is not None:
             return self.two_phase
-        return len(self.bank) >= 2 and len(self._block_points()) >= 2
+        return two_phase_pays(rows, points, elem_size)
 
     def _score_block(self) -> SoftmaxStats:
         """Phase 1: every point of the block against the completed rows, each row read once."""
@@ -213,6 +218,17 @@ class BlockStream(ResidualStream):
         return out if norm is not None else self._finish_unfused(out, num_sources)
 
 
+def two_phase_pays(rows: int, points: int, elem_size: int) -> bool:
+    """Whether phase 1 + phase 2 moves fewer bytes than one-shot reads, per token and channel.
+
+    One-shot: each of the `points` reads the `rows` shared rows and its prefix. Two-phase: the rows are read once,
+    then each point writes and reads back its fp32 statistics u and reads its prefix.
+    """
+    one_shot = points * (rows + 1) * elem_size
+    two_phase = rows * elem_size + points * (2 * 4 + elem_size)
+    return two_phase < one_shot
+
+
 def _check_points(points: Sequence[DepthAttention], num_layers: int) -> None:
     if len(points) != 2 * num_layers + 1:
         raise ValueError(
@@ -231,12 +247,14 @@ def make_stream(
     rescale_mixture: bool = False,
     two_phase: bool | None = None,
     record_weights: bool = False,
+    inference: bool = False,
 ) -> ResidualStream:
     """The residual stream of kind `residual` ("standard", "full" or "block") for one forward.
 
     `points`: the 2L + 1 aggregation points in schedule order (not needed for "standard"); `block_size` counts
     decoder layers (Kimi K3 `attn_res_block_size`); `record_weights` keeps, for every read, the depth weights
-    in `stream.weights` (none for "standard") and the pre-norm mixture the sublayer's norm sees in `stream.mixtures`.
+    in `stream.weights` (none for "standard") and the pre-norm mixture the sublayer's norm sees in `stream.mixtures`;
+    `inference` selects, for "block", the fused bank path (no autograd; `attnres.layers.bank_stream`).
     """
     if residual == "standard":
         stream = StandardStream(embedding, num_layers)
@@ -245,7 +263,12 @@ def make_stream(
     elif residual == "block":
         if block_size is None:
             raise ValueError("block_size: the block residual needs a block size (in decoder layers)")
-        stream = BlockStream(embedding, num_layers, points, block_size, rescale_mixture, two_phase)
+        block_cls = BlockStream
+        if inference and not record_weights:
+            from attnres.layers.bank_stream import BankStream  # imports this module
+
+            block_cls = BankStream
+        stream = block_cls(embedding, num_layers, points, block_size, rescale_mixture, two_phase)
     else:
         raise ValueError(f"residual: expected one of {RESIDUAL_KINDS}, got {residual!r}")
     stream.record = record_weights

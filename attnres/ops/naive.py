@@ -12,7 +12,7 @@ import torch
 
 from attnres.ops.checks import check_eps, check_matrix, check_sources, check_vector
 from attnres.ops.depth_attention import accumulator_dtype
-from attnres.ops.two_phase import SoftmaxStats
+from attnres.ops.two_phase import SoftmaxStats, finish_stats, merge_stats
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -74,3 +74,22 @@ def naive_depth_stats(
     m = scores.amax(dim=1).detach()
     p = torch.exp(scores - m.unsqueeze(1))
     return SoftmaxStats(m=m, z=p.sum(1), u=torch.einsum("sr...,r...d->s...d", p, v))
+
+
+def naive_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write):
+    """Twin of `attnres.ops.bank.bank_aggregate` (same signature and in-place effects), built on the twin above."""
+    if output is not None:
+        prefix.copy_(prefix + output)
+    if write:
+        bank[:, nvb] = prefix
+    sources = [bank[:, j] for j in range(nvb + 1 if write else nvb)] + ([] if write else [prefix])
+    return naive_depth_attention(sources, c, eps=eps, out_norm_weight=out_norm_weight, out_eps=out_eps)
+
+
+def naive_bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps):
+    """Twin of `attnres.ops.bank.bank_merge`: the phase-1 statistics merged with the prefix's own statistics."""
+    if output is not None:
+        prefix.copy_(prefix + output)
+    own = naive_depth_stats([prefix], c[None], eps=eps)
+    stats = merge_stats(SoftmaxStats(m[None], z[None], u[None]), own)
+    return finish_stats(stats, out_norm_weight, out_eps=out_eps, dtype=prefix.dtype)[0]

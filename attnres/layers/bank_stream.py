@@ -1,0 +1,68 @@
+"""Block AttnRes at inference (DESIGN section 6): the bank as one `[N, NB, d]` tensor, one fused call per point.
+
+Same schedule and same numbers as `BlockStream`, without autograd: the bank lives for one forward (a prefill chunk
+or a decode step, N = tokens of the chunk or number of sequences), the prefix is carried as the ordinary residual
+with the last sublayer output pending, and each aggregation point is one `attnres::bank_aggregate` call (pending
+add, scoring, softmax, mixing, PreNorm and, at write layers, the bank-row write). Where it saves traffic, the rows
+completed at a write layer are scored once for the rest of the block (`depth_stats`) and each later point only
+merges its prefix (`attnres::bank_merge`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnres.layers.streams import BlockStream
+from attnres.ops.bank import bank_aggregate, bank_merge, bank_rows
+from attnres.ops.depth_attention import accumulator_dtype, flat_tokens
+from attnres.ops.two_phase import depth_stats_fwd
+
+
+class BankStream(BlockStream):
+    def __init__(self, embedding, num_layers, points, block_size, rescale_mixture=False, two_phase=None):
+        super().__init__(embedding, num_layers, points, block_size, rescale_mixture, two_phase)
+        self.shape = embedding.shape
+        x = flat_tokens(embedding)
+        self.acc = accumulator_dtype(x.dtype)
+        self.bank = x.new_empty(x.shape[0], self.num_bank_rows, x.shape[1])
+        self.nvb = 0
+        self.prefix = x  # never written in place: layer 0's point only copies it into bank row 0
+        self.pending: torch.Tensor | None = None
+        self._phase1_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def _read(self, norm):
+        point = self.points[self.point]
+        write = self._is_write_point()
+        if self.prefix is None:  # first point after a write: the pending output starts the new prefix
+            self.prefix, self.pending = self.pending, None
+        num_sources = self.nvb + 1
+        out_w = None if norm is None else norm.weight
+        out_eps = point.eps if norm is None else self._out_eps(norm, num_sources)
+        c = point.folded_query(self.acc)
+        if self._phase1_stats is not None and not write:
+            t = self.point - self._phase1_start
+            m, z, u = (s[t] for s in self._phase1_stats)
+            mix = bank_merge(m, z, u, self.prefix, self.pending, c, out_w, point.eps, out_eps)
+        else:
+            mix = bank_aggregate(self.bank, self.nvb, self.prefix, self.pending, c, out_w, point.eps, out_eps, write)
+        self.pending = None
+        if write:
+            self.nvb += 1
+            self.prefix = None
+            self._score_rest_of_block()
+        mix = mix.reshape(self.shape)
+        return mix if norm is not None else self._finish_unfused(mix, num_sources)
+
+    def _write(self, output):
+        self.pending = flat_tokens(output)
+
+    def _score_rest_of_block(self) -> None:
+        """Phase 1 for the block's remaining points against the rows now complete, each row read once."""
+        rest = self._block_points()[1:]
+        self._phase1_stats = None
+        if self._use_two_phase(self.nvb, len(rest), self.bank.element_size()):
+            cs = torch.stack([self.points[k].folded_query(self.acc) for k in rest])
+            m, z, u, _ = depth_stats_fwd(bank_rows(self.bank, self.nvb), cs, self.points[rest[0]].eps)
+            self._phase1_stats = (m, z, u)
+            self._phase1_start = rest[0]

@@ -1,0 +1,83 @@
+"""The inference bank stream follows the Block schedule and reproduces the training stream."""
+
+import pytest
+import torch
+
+from attnres.layers import DepthAttention, RMSNorm, make_stream
+from attnres.layers.bank_stream import BankStream
+
+
+def _stack(L, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    points = [DepthAttention(d) for _ in range(2 * L + 1)]
+    norms = [RMSNorm(d) for _ in range(2 * L + 1)]
+    with torch.no_grad():
+        for p, n in zip(points, norms):
+            p.proj.weight.normal_(generator=g)
+            p.norm.weight.normal_(generator=g)
+            n.weight.normal_(generator=g)
+    mats = [torch.randn(d, d, generator=g) / d**0.5 for _ in range(2 * L)]
+    return points, norms, mats
+
+
+def _run(stream, norms, mats, fuse_norm=True):
+    L = len(mats) // 2
+    for k in range(2 * L):
+        x = stream.read(norms[k] if fuse_norm else None)
+        x = x if fuse_norm else norms[k](x)
+        stream.write(torch.tanh(x.float() @ mats[k]).to(x.dtype))
+    return stream.read(norms[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("L,S", [(1, 1), (4, 1), (5, 2), (6, 3), (7, 7), (3, 5)], ids=lambda v: str(v))
+def test_bank_stream_bit_exact_with_training_stream(dtype, L, S):
+    d = 16
+    points, norms, mats = _stack(L, d)
+    emb = torch.randn(2, 3, d).to(dtype)
+    with torch.no_grad():
+        train = make_stream("block", emb, L, points, block_size=S, two_phase=False)
+        infer = make_stream("block", emb, L, points, block_size=S, two_phase=False, inference=True)
+        assert isinstance(infer, BankStream)
+        a, b = _run(train, norms, mats), _run(infer, norms, mats)
+    assert torch.equal(a, b)
+    assert infer.nvb == len(train.bank) == -(-L // S)
+    for j, row in enumerate(train.bank):
+        assert torch.equal(infer.bank[:, j], row.reshape(-1, d))
+
+
+@pytest.mark.parametrize("L,S", [(6, 2), (8, 3), (9, 9)], ids=lambda v: str(v))
+@pytest.mark.parametrize("rescale", [False, True])
+def test_bank_stream_two_phase_matches_one_shot(L, S, rescale):
+    d = 16
+    points, norms, mats = _stack(L, d, seed=1)
+    emb = torch.randn(4, d)
+    with torch.no_grad():
+        ref = _run(make_stream("block", emb, L, points, block_size=S, rescale_mixture=rescale), norms, mats)
+        two = make_stream("block", emb, L, points, block_size=S, rescale_mixture=rescale, two_phase=True, inference=True)
+        out = _run(two, norms, mats)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bank_stream_unfused_reads_return_the_mixture():
+    L, S, d = 4, 2, 8
+    points, norms, mats = _stack(L, d, seed=2)
+    emb = torch.randn(5, d)
+    with torch.no_grad():
+        ref = _run(make_stream("block", emb, L, points, block_size=S), norms, mats)
+        out = _run(make_stream("block", emb, L, points, block_size=S, inference=True), norms, mats, fuse_norm=False)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_folded_query_cache_follows_weight_changes():
+    L, S, d = 3, 1, 8
+    points, norms, mats = _stack(L, d, seed=3)
+    emb = torch.randn(5, d)
+    with torch.no_grad():
+        _run(make_stream("block", emb, L, points, block_size=S, inference=True), norms, mats)
+        points[4].proj.weight.mul_(-3.0)  # in-place change after a forward: the cached fold must not be reused
+        points[5].norm.weight = torch.nn.Parameter(torch.rand(d))  # replaced parameter
+        ref = _run(make_stream("block", emb, L, points, block_size=S), norms, mats)
+        out = _run(make_stream("block", emb, L, points, block_size=S, inference=True), norms, mats)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(points[4].folded_query(), (points[4].proj.weight[0] * points[4].norm.weight).float())
