@@ -25,3 +25,15 @@ __all__ = [
     "naive_depth_attention",
     "naive_depth_stats",
 ]
+
+# The models import transformers (seconds), so they load on first use rather than with `import attnres`.
+_MODELS = ("AttnResConfig", "AttnResForCausalLM", "AttnResModel")
+__all__ += list(_MODELS)
+
+
+def __getattr__(name: str):
+    if name in _MODELS:
+        import attnres.models
+
+        return getattr(attnres.models, name)
+    raise AttributeError(f"module 'attnres' has no attribute {name!r}")

@@ -58,6 +58,7 @@ class DepthAttention(nn.Module):
         point = cls.__new__(cls)
         nn.Module.__init__(point)
         point.proj, point.norm = proj, norm
+        point._fold_cache = None
         return point
 
     @property

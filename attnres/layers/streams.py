@@ -229,11 +229,12 @@ def two_phase_pays(rows: int, points: int, elem_size: int) -> bool:
     return two_phase < one_shot
 
 
-def _check_points(points: Sequence[DepthAttention], num_layers: int) -> None:
-    if len(points) != 2 * num_layers + 1:
+def _check_points(points: Sequence[DepthAttention] | None, num_layers: int) -> None:
+    count = None if points is None else len(points)
+    if count != 2 * num_layers + 1:
         raise ValueError(
             f"points: expected 2 * num_layers + 1 = {2 * num_layers + 1} aggregation points "
-            f"(attention and MLP side of each layer, then the final read), got {len(points)}"
+            f"(attention and MLP side of each layer, then the final read), got {count}"
         )
 
 

@@ -1,0 +1,33 @@
+"""Tiny model configurations shared by the model tests."""
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def tiny_config():
+    """A factory of tiny `AttnResConfig`s (grouped-query attention: 4 query heads share 2 key/value heads)."""
+    from attnres.models import AttnResConfig
+
+    def make(**overrides) -> AttnResConfig:
+        fields = dict(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        return AttnResConfig(**{**fields, **overrides})
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls run far faster on one thread than on threads fighting over two shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
