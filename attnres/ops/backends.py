@@ -2,8 +2,9 @@
 
 `ATTNRES_BACKEND` chooses: `auto` (default: the Triton kernels on CUDA, the compiled CPU kernel on CPU, each when
 it is available), or `torch` to force the portable torch-op path everywhere (the fallback of every backend).
-Each backend exposes functions with the contracts of the `attnres::depth_attention_fwd/bwd` ops; a None entry
-means "use the torch path". `last_backend()` names the one that ran last, so tests can prove routing.
+Each backend exposes functions with the contracts of the `attnres::depth_attention_fwd/bwd` and
+`attnres::depth_stats_fwd/bwd` ops; a None entry means "use the torch path" for that op. `last_backend()` names
+the one that ran last, so tests can prove routing.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ class Backend:
     name: str
     fwd: Callable | None = None
     bwd: Callable | None = None
+    stats_fwd: Callable | None = None
+    stats_bwd: Callable | None = None
+    max_d: int | None = None  # widest hidden size the kernels take
+    max_rows: int | None = None  # most sources or queries the phase-1 kernels take
 
 
 TORCH = Backend("torch")
@@ -41,12 +46,13 @@ def _cpu_backend() -> Backend | None:
 
 def _triton_backend() -> Backend | None:
     try:
-        from attnres.ops import triton as triton_ops
-    except ImportError:
+        from attnres.ops import triton as k
+    except ImportError:  # no triton installed
         return None
-    if not triton_ops.available():
-        return None
-    return Backend("triton", triton_ops.triton_depth_attention_fwd, triton_ops.triton_depth_attention_bwd)
+    return Backend(
+        "triton", k.triton_depth_attention_fwd, k.triton_depth_attention_bwd, k.triton_depth_stats_fwd,
+        k.triton_depth_stats_bwd, max_d=k.MAX_D, max_rows=k.MAX_STATS_ROWS,
+    )
 
 
 _cache: dict[str, Backend | None] = {}
@@ -58,8 +64,9 @@ def _probe(kind: str) -> Backend | None:
     return _cache[kind]
 
 
-def select_backend(x: torch.Tensor) -> Backend:
-    """The backend for sources like `x`, following `ATTNRES_BACKEND`."""
+def select_backend(x: torch.Tensor, stats_rows: int | None = None) -> Backend:
+    """The backend for the one-shot op on sources like `x`, or for phase 1 when `stats_rows` (the larger of the
+    numbers of sources and queries) is given; a backend without that op yields the torch path."""
     global _last
     choice = os.environ.get(BACKEND_ENV, "auto")
     if choice not in BACKEND_CHOICES:
@@ -67,7 +74,11 @@ def select_backend(x: torch.Tensor) -> Backend:
     backend = TORCH
     if choice == "auto" and x.dtype != torch.float64:  # fp64 (gradcheck) always takes the reference-grade torch path
         kind = "triton" if x.is_cuda else "cpu" if x.device.type == "cpu" else None
-        backend = (_probe(kind) if kind else None) or TORCH
+        found = _probe(kind) if kind else None
+        has_op = found is not None and (found.fwd if stats_rows is None else found.stats_fwd) is not None
+        fits = has_op and (found.max_d is None or x.shape[-1] <= found.max_d)
+        fits = fits and (stats_rows is None or found.max_rows is None or stats_rows <= found.max_rows)
+        backend = found if fits else TORCH
     _last = backend.name
     return backend
 

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from attnres.ops.backends import select_backend
 from attnres.ops.checks import check_eps, check_matrix, check_sources, check_vector
 from attnres.ops.depth_attention import accumulator_dtype, flat_tokens, rms_normalize
 
@@ -37,11 +38,10 @@ def _scores(x: torch.Tensor, cs: torch.Tensor, eps: float) -> tuple[torch.Tensor
     return (cs @ x.T) * rstd, rstd
 
 
-@torch.library.custom_op("attnres::depth_stats_fwd", mutates_args=())
-def depth_stats_fwd(
+def torch_depth_stats_fwd(
     sources: list[torch.Tensor], cs: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (m `[S, N]`, z `[S, N]`, u `[S, N, d]`, key rstd `[R, N]`) over flattened tokens."""
+    """Portable phase 1 in torch ops. Contract of `depth_stats_fwd`."""
     acc = cs.dtype
     xs = [flat_tokens(x) for x in sources]
     s, rstd = zip(*(_scores(x.to(acc), cs, eps) for x in xs))
@@ -54,6 +54,15 @@ def depth_stats_fwd(
     return m, p.sum(0), u, torch.stack(rstd)
 
 
+@torch.library.custom_op("attnres::depth_stats_fwd", mutates_args=())
+def depth_stats_fwd(
+    sources: list[torch.Tensor], cs: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (m `[S, N]`, z `[S, N]`, u `[S, N, d]`, key rstd `[R, N]`) over flattened tokens."""
+    fwd = select_backend(sources[0], max(len(sources), cs.shape[0])).stats_fwd or torch_depth_stats_fwd
+    return fwd(sources, cs, eps)
+
+
 @depth_stats_fwd.register_fake
 def _(sources, cs, eps):
     x = flat_tokens(sources[0])
@@ -61,8 +70,7 @@ def _(sources, cs, eps):
     return cs.new_empty(S, N), cs.new_empty(S, N), cs.new_empty(S, N, x.shape[1]), cs.new_empty(len(sources), N)
 
 
-@torch.library.custom_op("attnres::depth_stats_bwd", mutates_args=())
-def depth_stats_bwd(
+def torch_depth_stats_bwd(
     grad_z: torch.Tensor,
     grad_u: torch.Tensor,
     sources: list[torch.Tensor],
@@ -71,7 +79,7 @@ def depth_stats_bwd(
     rstd: torch.Tensor,
     eps: float,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Returns (grad of each source, grad of the folded queries), holding the shift m fixed."""
+    """Portable phase-1 backward in torch ops. Contract of `depth_stats_bwd`."""
     acc = cs.dtype
     d = cs.shape[1]
     dcs = torch.zeros_like(cs)
@@ -87,6 +95,21 @@ def depth_stats_bwd(
         dcs += coef @ xf
         grads.append(dx.to(x.dtype).reshape(x.shape))
     return grads, dcs
+
+
+@torch.library.custom_op("attnres::depth_stats_bwd", mutates_args=())
+def depth_stats_bwd(
+    grad_z: torch.Tensor,
+    grad_u: torch.Tensor,
+    sources: list[torch.Tensor],
+    cs: torch.Tensor,
+    m: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Returns (grad of each source, grad of the folded queries), holding the shift m fixed."""
+    bwd = select_backend(sources[0], max(len(sources), cs.shape[0])).stats_bwd or torch_depth_stats_bwd
+    return bwd(grad_z, grad_u, sources, cs, m, rstd, eps)
 
 
 @depth_stats_bwd.register_fake

@@ -1,0 +1,301 @@
+"""Triton kernels of the depth-attention operator, with the contract of `attnres::depth_attention_fwd/bwd`.
+
+Layout: a program owns BLOCK_T tokens and their whole row of d channels, padded to the power of two D_PAD and masked
+at the tail, so any d works and every reduction (sum of squares, score, output norm) stays in registers in fp32. The
+R sources are never stacked: the kernels read them through a table of their data pointers (an int64 tensor), the way
+fla's `fused_attnres` takes a tuple of tensors, without a compile per R.
+
+Forward: one streaming pass over the sources with an online softmax (running max m, sum z and an fp32 accumulator), so
+each source is read exactly once; the aggregation is memory-bound and that read is its floor.
+
+Backward: two passes per token block, the first recomputes the mixture (needed for the output norm's backward and for
+delta = dm . m), the second writes each source's gradient. dc and d_out_w are summed per program into `[programs, d]`
+buffers and reduced with torch afterwards: no atomics, so the result is deterministic and the interpreter can run it.
+
+Offsets that scale with tokens * d are 64-bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton reads the same variable when it is imported; under the interpreter the kernels run on CPU tensors.
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on", "y")
+
+# Largest d the register-resident rows are built for (the backward keeps about five fp32 rows of D_PAD live).
+MAX_D = 65536
+
+TORCH_TO_TRITON = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def tile_configs(tiles: tuple[int, ...], warps: tuple[int, ...]) -> list[triton.Config]:
+    """Autotuning candidates (TILE = tokens x padded channels per program); one small config under the interpreter,
+    which can neither autotune several configs nor afford large tiles."""
+    if INTERPRETING:
+        return [triton.Config({"TILE": 256}, num_warps=4)]
+    return [triton.Config({"TILE": t}, num_warps=w) for t in tiles for w in warps]
+
+
+def block_tokens(args: dict) -> int:
+    """BLOCK_T: as many tokens as fill TILE, never more than the (padded) token count."""
+    return max(1, min(args["TILE"] // args["D_PAD"], triton.next_power_of_2(args["N"])))
+
+
+def distinct_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Drop configs that give the same BLOCK_T and warps for this d (large d makes every TILE one token)."""
+    seen, kept = set(), []
+    for cfg in configs:
+        key = (block_tokens({**named_args, **cfg.kwargs}), cfg.num_warps)
+        if key not in seen:
+            seen.add(key)
+            kept.append(cfg)
+    return kept
+
+
+def padded_width(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def num_programs(device: torch.device, work_items: int) -> int:
+    """Programs of a persistent grid: a few per SM on a GPU, three under the interpreter (enough to test the loop)."""
+    cap = 3 if INTERPRETING else 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(work_items, cap))
+
+
+def flat_sources(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each source as a contiguous `[N, d]` view (a copy only for a non-contiguous source: the kernels index rows as
+    `token * d`, and the interpreter would read a strided tensor as garbage without a word)."""
+    x0 = sources[0]
+    if x0.dtype not in TORCH_TO_TRITON:
+        raise TypeError(f"sources: the Triton kernels take float32, bfloat16 or float16, got {x0.dtype}")
+    d = x0.shape[-1]
+    if d > MAX_D:
+        raise ValueError(f"sources: the Triton kernels hold rows of at most d={MAX_D} channels, got d={d}")
+    return [x.reshape(-1, d).contiguous() for x in sources]
+
+
+def contiguous_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def pointer_table(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """(int64 tensor of the tensors' data pointers on their device, whether all are 16-byte aligned).
+
+    On a GPU the table goes through pinned memory with a non-blocking copy: a pageable copy would synchronise the
+    stream and stall the host on every call.
+    """
+    ptrs = [t.data_ptr() for t in tensors]
+    table = torch.tensor(ptrs, dtype=torch.int64)
+    device = tensors[0].device
+    if device.type != "cpu":
+        table = table.pin_memory().to(device, non_blocking=True)
+    return table, all(p % 16 == 0 for p in ptrs)
+
+
+@triton.jit
+def load_source(table, j, offsets, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Tile `offsets` of source j in fp32; the table holds the sources' data pointers as int64."""
+    base = tl.load(table + j).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        base = tl.multiple_of(base, 16)  # lets the compiler emit 16-byte loads
+    return tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def score_source(x, cv, eps, D: tl.constexpr):
+    """(key rstd, score) `[BLOCK_T]` of a source tile x `[BLOCK_T, D_PAD]` (fp32) against the folded query cv."""
+    r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
+    return r, tl.sum(x * cv[None, :], 1) * r
+
+
+@triton.jit
+def online_softmax_update(m, z, acc, s, x):
+    """(m, z, acc) after one more source x `[BLOCK_T, D_PAD]` with scores s `[BLOCK_T]`: the running max m,
+    z = sum_j exp(s_j - m) and acc = sum_j exp(s_j - m) x_j, rescaled whenever the max grows."""
+    m_new = tl.maximum(m, s)
+    rescale = tl.exp(m - m_new)
+    p = tl.exp(s - m_new)
+    return m_new, z * rescale + p, acc * rescale[:, None] + p[:, None] * x
+
+
+@triton.autotune(
+    configs=tile_configs((1024, 4096, 8192), (4, 8, 16)),
+    key=["D", "OUT_NORM", "DTYPE"],
+    prune_configs_by={"early_config_prune": distinct_tiles},
+)
+@triton.heuristics({"BLOCK_T": block_tokens})
+@triton.jit
+def depth_attention_fwd_kernel(
+    table, c, out_weight, out, weights, rstd, N, R, eps, out_eps,
+    D: tl.constexpr, D_PAD: tl.constexpr, OUT_NORM: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+    TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    cols = tl.arange(0, D_PAD)
+    row_ok = rows < N
+    col_ok = cols < D
+    mask = row_ok[:, None] & col_ok[None, :]
+    offsets = rows[:, None] * D + cols[None, :]
+    cv = tl.load(c + cols, mask=col_ok, other=0.0).to(tl.float32)
+
+    n64 = N.to(tl.int64)
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    z = tl.zeros([BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
+    for j in range(R):
+        x = load_source(table, j, offsets, mask, DTYPE, ALIGNED)
+        r, s = score_source(x, cv, eps, D)
+        tl.store(rstd + j * n64 + rows, r, mask=row_ok)
+        tl.store(weights + j * n64 + rows, s, mask=row_ok)  # parked until m and z are final
+        m, z, acc = online_softmax_update(m, z, acc, s, x)
+
+    tl.debug_barrier()  # make this program's own score stores visible to all of its threads
+    inv_z = 1.0 / z
+    for j in range(R):
+        s = tl.load(weights + j * n64 + rows, mask=row_ok, other=0.0)
+        tl.store(weights + j * n64 + rows, tl.exp(s - m) * inv_z, mask=row_ok)
+
+    mix = acc * inv_z[:, None]
+    if OUT_NORM:
+        mix_rstd = tl.rsqrt(tl.sum(mix * mix, 1) / D + out_eps)
+        ow = tl.load(out_weight + cols, mask=col_ok, other=0.0).to(tl.float32)
+        mix = mix * mix_rstd[:, None] * ow[None, :]
+    tl.store(out + offsets, mix.to(DTYPE), mask=mask)
+
+
+@triton.autotune(
+    configs=tile_configs((1024, 4096), (4, 8, 16)),
+    key=["D", "OUT_NORM", "HAS_GRAD_WEIGHTS", "DTYPE"],
+    prune_configs_by={"early_config_prune": distinct_tiles},
+)
+@triton.heuristics({"BLOCK_T": block_tokens})
+@triton.jit
+def depth_attention_bwd_kernel(
+    table, c, out_weight, grad_out, grad_weights, weights, rstd, dc_part, dow_part, N, R, programs, out_eps,
+    D: tl.constexpr, D_PAD: tl.constexpr, OUT_NORM: tl.constexpr, HAS_GRAD_WEIGHTS: tl.constexpr,
+    DTYPE: tl.constexpr, ALIGNED: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Persistent: program p takes token blocks p, p + programs, ...; the table holds R sources, then R grads."""
+    pid = tl.program_id(0)
+    n64 = N.to(tl.int64)
+    cols = tl.arange(0, D_PAD)
+    col_ok = cols < D
+    dc = tl.zeros([D_PAD], tl.float32)
+    dow = tl.zeros([D_PAD], tl.float32)
+
+    for blk in range(pid, tl.cdiv(N, BLOCK_T), programs):
+        rows = (blk * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        row_ok = rows < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        offsets = rows[:, None] * D + cols[None, :]
+        dm = tl.load(grad_out + offsets, mask=mask, other=0.0).to(tl.float32)
+
+        # pass 1: the mixture m = sum_j alpha_j x_j (and sum_j alpha_j gw_j, the weights' own share of delta)
+        mix = tl.zeros([BLOCK_T, D_PAD], tl.float32)
+        delta = tl.zeros([BLOCK_T], tl.float32)
+        for j in range(R):
+            a = tl.load(weights + j * n64 + rows, mask=row_ok, other=0.0)
+            mix += a[:, None] * load_source(table, j, offsets, mask, DTYPE, ALIGNED)
+            if HAS_GRAD_WEIGHTS:
+                delta += a * tl.load(grad_weights + j * n64 + rows, mask=row_ok, other=0.0)
+        if OUT_NORM:  # the fused PreNorm's backward turns grad_out into the gradient reaching m
+            mix_rstd = tl.rsqrt(tl.sum(mix * mix, 1) / D + out_eps)
+            normed = mix * mix_rstd[:, None]
+            dow += tl.sum(dm * normed, 0)
+            # c and the gain are loaded where used (cache hits): held across the loop they would spill at large d
+            dm = dm * tl.load(out_weight + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            dm = (dm - normed * (tl.sum(dm * normed, 1) / D)[:, None]) * mix_rstd[:, None]
+        delta += tl.sum(dm * mix, 1)
+        cv = tl.load(c + cols, mask=col_ok, other=0.0).to(tl.float32)
+
+        # pass 2: ds_j = alpha_j (dm . x_j + gw_j - delta); dx_j = alpha_j dm + ds_j r_j (c - s_j r_j x_j / d)
+        for j in range(R):
+            a = tl.load(weights + j * n64 + rows, mask=row_ok, other=0.0)
+            r = tl.load(rstd + j * n64 + rows, mask=row_ok, other=0.0)
+            x = load_source(table, j, offsets, mask, DTYPE, ALIGNED)
+            g = tl.sum(x * dm, 1)
+            if HAS_GRAD_WEIGHTS:
+                g += tl.load(grad_weights + j * n64 + rows, mask=row_ok, other=0.0)
+            coef = a * (g - delta) * r
+            s = tl.sum(x * cv[None, :], 1) * r
+            dx = a[:, None] * dm + coef[:, None] * cv[None, :] - (coef * s * r / D)[:, None] * x
+            dx_base = tl.load(table + R + j).to(tl.pointer_type(DTYPE))
+            if ALIGNED:
+                dx_base = tl.multiple_of(dx_base, 16)
+            tl.store(dx_base + offsets, dx.to(DTYPE), mask=mask)
+            dc += tl.sum(coef[:, None] * x, 0)
+
+    tl.store(dc_part + pid * D + cols, dc, mask=col_ok)
+    if OUT_NORM:
+        tl.store(dow_part + pid * D + cols, dow, mask=col_ok)
+
+
+def triton_depth_attention_fwd(
+    sources: list[torch.Tensor],
+    c: torch.Tensor,
+    out_norm_weight: torch.Tensor | None,
+    eps: float,
+    out_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Contract of `attnres::depth_attention_fwd`: sources R x `[..., d]`, folded query c `[d]` fp32.
+
+    Returns (output `[..., d]` in the sources' dtype, weights `[R, ...]` fp32, key rstd `[R, ...]` fp32).
+    """
+    shape = sources[0].shape
+    xs = flat_sources(sources)
+    n, d = xs[0].shape
+    lead = (len(xs), *shape[:-1])
+    out = torch.empty((n, d), dtype=xs[0].dtype, device=xs[0].device)
+    weights = torch.empty((len(xs), n), dtype=torch.float32, device=xs[0].device)
+    rstd = torch.empty_like(weights)
+    if n > 0:
+        table, aligned = pointer_table(xs)
+        depth_attention_fwd_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_T"]),)](
+            table, c.float().contiguous(), contiguous_or_none(out_norm_weight), out, weights, rstd, n, len(xs), eps,
+            out_eps,
+            D=d, D_PAD=padded_width(d), OUT_NORM=out_norm_weight is not None,
+            DTYPE=TORCH_TO_TRITON[xs[0].dtype], ALIGNED=aligned,
+        )
+    return out.reshape(shape), weights.reshape(lead), rstd.reshape(lead)
+
+
+def triton_depth_attention_bwd(
+    grad_out: torch.Tensor,
+    grad_weights: torch.Tensor | None,
+    sources: list[torch.Tensor],
+    c: torch.Tensor,
+    out_norm_weight: torch.Tensor | None,
+    weights: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+    out_eps: float,
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Contract of `attnres::depth_attention_bwd`: grad_out `[..., d]`, grad_weights `[R, ...]` or None, and the
+    forward's inputs and saved rows (weights, rstd `[R, ...]`; `eps` is unused: the key rstd is saved).
+
+    Returns (grad of each source in its dtype and shape, grad of c `[d]` fp32, grad of out_norm_weight `[d]` fp32,
+    zeros when there is no output norm).
+    """
+    xs = flat_sources(sources)
+    n, d = xs[0].shape
+    R, device = len(xs), xs[0].device
+    grads = [torch.empty_like(x) for x in xs]
+    programs = num_programs(device, n)
+    dc_part = torch.zeros((programs, d), dtype=torch.float32, device=device)
+    dow_part = torch.zeros((programs, d), dtype=torch.float32, device=device)
+    if n > 0:
+        table, aligned = pointer_table(xs + grads)
+        gw = None if grad_weights is None else grad_weights.reshape(R, n).float().contiguous()
+        depth_attention_bwd_kernel[(programs,)](
+            table, c.float().contiguous(), contiguous_or_none(out_norm_weight), grad_out.reshape(n, d).contiguous(), gw,
+            weights.reshape(R, n).contiguous(), rstd.reshape(R, n).contiguous(), dc_part, dow_part,
+            n, R, programs, out_eps,
+            D=d, D_PAD=padded_width(d), OUT_NORM=out_norm_weight is not None, HAS_GRAD_WEIGHTS=gw is not None,
+            DTYPE=TORCH_TO_TRITON[xs[0].dtype], ALIGNED=aligned,
+        )
+    source_grads = [g.reshape(x.shape) for g, x in zip(grads, sources)]
+    return source_grads, dc_part.sum(0), dow_part.sum(0)
