@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 # The models import transformers (seconds), so they load on first use rather than with `import attnres`.
-_MODELS = ("AttnResConfig", "AttnResForCausalLM", "AttnResModel")
+_MODELS = ("AttnResConfig", "AttnResForCausalLM", "AttnResModel", "convert_from_hf")
 __all__ += list(_MODELS)
 
 

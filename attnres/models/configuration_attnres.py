@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
 
 from attnres.layers import RESIDUAL_KINDS
 
@@ -15,8 +16,18 @@ class AttnResConfig(PreTrainedConfig):
     Every field Llama has keeps its transformers Llama name and meaning: `vocab_size`, `hidden_size`,
     `intermediate_size`, `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads` (None: as many as
     attention heads, i.e. no grouping), `hidden_act`, `max_position_embeddings`, `initializer_range`,
-    `rms_norm_eps` (every RMSNorm: the PreNorms, the final norm and the AttnRes key norms), `rope_theta` (plain
-    rotary positions, no scaling), `tie_word_embeddings`. The head size is `hidden_size // num_attention_heads`.
+    `rms_norm_eps` (every RMSNorm: the PreNorms, the final norm, the AttnRes key norms and the q/k norms),
+    `rope_theta` (plain rotary positions, no scaling), `tie_word_embeddings`, `head_dim` (None: `hidden_size //
+    num_attention_heads`), `attention_bias` (biases on q, k, v and o), `mlp_bias`, `use_cache`.
+
+    Fields for the Llama family that `attnres.convert_from_hf` turns into AttnRes models:
+        attention_output_bias (`bool` or None, defaults to None):
+            Bias on `o_proj`; None follows `attention_bias`. Qwen2 has q, k and v biases but none on `o_proj`.
+        qk_norm (`bool`, defaults to False):
+            Qwen3's per-head RMSNorm of queries and keys (`self_attn.q_norm`, `self_attn.k_norm`, size `head_dim`),
+            applied before the rotary embedding.
+        sliding_window (`int` or None, defaults to None):
+            Every layer attends to the last `sliding_window` positions only (itself included), as Mistral does.
 
     AttnRes fields:
         residual (`str`, defaults to `"block"`):
@@ -37,7 +48,7 @@ class AttnResConfig(PreTrainedConfig):
     """
 
     model_type = "attnres"
-    keys_to_ignore_at_inference = ["depth_weights", "depth_mixtures"]
+    keys_to_ignore_at_inference = ["cache", "depth_weights", "depth_mixtures", "captured_hidden_states"]
 
     vocab_size: int = 32000
     hidden_size: int = 512
@@ -51,7 +62,13 @@ class AttnResConfig(PreTrainedConfig):
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
-    use_cache: bool = False  # no KV cache yet: generation re-reads the whole sequence
+    head_dim: int | None = None
+    attention_bias: bool = False
+    attention_output_bias: bool | None = None
+    qk_norm: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -64,12 +81,10 @@ class AttnResConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        if self.attention_output_bias is None:
+            self.attention_output_bias = self.attention_bias
         self._check()
         super().__post_init__(**kwargs)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     def _check(self) -> None:
         """Refuse, at construction, every setting the model could not run with; each message names the setting."""
@@ -91,21 +106,26 @@ class AttnResConfig(PreTrainedConfig):
                 f"attn_res_block_size: expected a positive number of decoder layers per block, got "
                 f"{self.attn_res_block_size}"
             )
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size: {self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}, "
-                "so the heads cannot split it evenly"
-            )
+        head_dim_name = "head_dim: the head size"
+        if self.head_dim is None:  # the Llama default, resolved here so that config.json records it
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size: {self.hidden_size} is not divisible by num_attention_heads="
+                    f"{self.num_attention_heads}, so the heads cannot split it evenly (or set head_dim)"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+            head_dim_name = "hidden_size: the head size hidden_size / num_attention_heads"
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads: {self.num_attention_heads} is not divisible by num_key_value_heads="
                 f"{self.num_key_value_heads}, so query heads cannot share key/value heads in equal groups"
             )
-        if self.head_dim % 2:
-            raise ValueError(
-                f"hidden_size: the head size hidden_size / num_attention_heads = {self.head_dim} must be even "
-                "for rotary positions"
-            )
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"{head_dim_name} = {self.head_dim} must be even (and positive) for rotary positions")
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"hidden_act: expected an activation transformers knows (ACT2FN), got {self.hidden_act!r}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window: expected None or a positive number of positions, got {self.sliding_window}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps: expected a positive number, got {self.rms_norm_eps}")
         if not self.rope_theta > 0:

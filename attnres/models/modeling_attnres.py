@@ -1,4 +1,4 @@
-"""AttnResForCausalLM: a Llama-style decoder whose residual path is a residual stream (DESIGN sections 3, 4 and 8).
+"""AttnResForCausalLM: a Llama-style decoder whose residual path is a residual stream (DESIGN sections 3, 4, 6 and 8).
 
 The standard parts keep the transformers Llama module names (`model.embed_tokens`,
 `model.layers.{i}.self_attn.{q,k,v,o}_proj`, `.mlp.{gate,up,down}_proj`, `.input_layernorm`,
@@ -8,70 +8,58 @@ and `model.output_attn_res_{proj,norm}` for the read before the final norm. The 
 
 One forward makes one stream (`attnres.layers.make_stream`). Each decoder layer reads its normed sublayer input from
 the stream (the sublayer's PreNorm fused into the depth aggregation) and writes the sublayer's output back; the
-final read, with `model.norm`, gives the last hidden state.
+final read, with `model.norm`, gives the last hidden state. The stream, and with it the Block bank, lives for that
+one forward only (a prefill chunk or a decode step, DESIGN section 6); what generation keeps across steps is the
+attention's KV cache (a transformers `Cache`), exactly as in a standard model.
 """
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
 
 from attnres.layers import DepthAttention, ResidualStream, RMSNorm, make_stream
 from attnres.models.configuration_attnres import AttnResConfig
+from attnres.models.loading import check_bank_layout, check_loaded_weights, saved_config
+from attnres.models.sublayers import AttnResAttention, AttnResMLP, causal_attention_mask, rotary_cos_sin
 
 
 @dataclass
 class AttnResModelOutput(BaseModelOutputWithPast):
-    """`last_hidden_state` `[batch, seq, hidden]` after the final norm and, with `output_depth_weights=True`, what
-    each of the 2L + 1 aggregation points saw, in schedule order (attention and MLP side of each layer, then the
-    final read; detached):
+    """`last_hidden_state` `[batch, seq, hidden]` after the final norm, `cache` (the KV cache, with `use_cache`) and:
 
-    depth_weights: `[R_k, batch, seq]` softmax weights over the R_k sources of point k (empty for "standard").
-    depth_mixtures: `[batch, seq, hidden]` pre-norm input the point hands its norm (for "standard": the residual sum).
+    depth_weights, depth_mixtures (`output_depth_weights=True`): what each of the 2L + 1 aggregation points saw, in
+        schedule order (attention and MLP side of each layer, then the final read; detached): the softmax weights
+        `[R_k, batch, seq]` over the R_k sources of point k (empty for "standard") and the pre-norm input
+        `[batch, seq, hidden]` the point hands its norm (for "standard": the residual sum).
+    captured_hidden_states (`capture_layers=[i, ...]`): for each listed decoder layer, in that order, the hidden state
+        an EAGLE-style drafter should see after it (DESIGN section 6): the pre-norm input `[batch, seq, hidden]` that
+        the next aggregation point (layer i + 1's attention side, or the final read after the last layer) hands its
+        norm, i.e. the mixture m of DESIGN section 3 (times the number of sources with `attn_res_rescale_mixture`), not
+        the block prefix. For "standard" it is the residual sum after layer i, the usual capture. Not detached.
     """
 
     depth_weights: list[torch.Tensor] | None = None
     depth_mixtures: list[torch.Tensor] | None = None
+    captured_hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
 class AttnResCausalLMOutput(CausalLMOutputWithPast):
-    """`CausalLMOutputWithPast` plus `depth_weights` and `depth_mixtures`, as in [`AttnResModelOutput`]."""
+    """`CausalLMOutputWithPast` plus the extra fields of [`AttnResModelOutput`]."""
 
     depth_weights: list[torch.Tensor] | None = None
     depth_mixtures: list[torch.Tensor] | None = None
-
-
-def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin `[batch or 1, seq, head_dim]` in fp32 of the plain rotary embedding at `position_ids` `[batch or 1,
-    seq]`, computed as transformers Llama computes them (same rounding)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
-    angles = position_ids.float()[..., None] * inv_freq
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` `[batch, heads, seq, head_dim]` by position (Llama's half-split pairing); cos, sin in x's dtype."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
-
-
-def padding_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Boolean `[batch, 1, seq, seq]` (True: may attend) from a `[batch, seq]` padding mask (1: token, 0: padding).
-
-    Each position may also attend to itself, so a padding row never sees an empty key set (no NaN to leak)."""
-    seq = attention_mask.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()
-    visible = attention_mask.bool()[:, None, None, :] | torch.eye(seq, dtype=torch.bool, device=attention_mask.device)
-    return causal & visible
+    captured_hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
 class PseudoQuery(nn.Linear):
@@ -85,55 +73,23 @@ class PseudoQuery(nn.Linear):
         nn.init.zeros_(self.weight)
 
 
-class AttnResAttention(nn.Module):
-    """Causal grouped-query self-attention with rotary positions, through `scaled_dot_product_attention`."""
+def read_normed(stream: ResidualStream, norm: RMSNorm, keep_mixture: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(pre-norm mixture if `keep_mixture` else None, the sublayer's normed input) from the stream's next point.
 
-    def __init__(self, config: AttnResConfig):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """x `[batch, seq, hidden]` -> `[batch, seq, hidden]`; mask: None (causal) or from `padding_causal_mask`."""
-        batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.num_kv_heads != self.num_heads
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-
-
-class AttnResMLP(nn.Module):
-    """SwiGLU: down(act(gate(x)) * up(x)), `[..., hidden]` -> `[..., hidden]`."""
-
-    def __init__(self, config: AttnResConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    Keeping the mixture reads it unfused and applies the norm apart; otherwise the norm is fused into the read."""
+    if not keep_mixture:
+        return None, stream.read(norm)
+    mixture = stream.read()
+    return mixture, norm(mixture)
 
 
 class AttnResDecoderLayer(nn.Module):
     """Attention then MLP, each fed by one read of the residual stream and written back into it."""
 
-    def __init__(self, config: AttnResConfig):
+    def __init__(self, config: AttnResConfig, layer_idx: int = 0):
         super().__init__()
         dim, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = AttnResAttention(config)
+        self.self_attn = AttnResAttention(config, layer_idx)
         self.mlp = AttnResMLP(config)
         self.input_layernorm = RMSNorm(dim, eps)
         self.post_attention_layernorm = RMSNorm(dim, eps)
@@ -149,12 +105,22 @@ class AttnResDecoderLayer(nn.Module):
                 DepthAttention.wrap(self.mlp_res_proj, self.mlp_res_norm),
             )
 
-    def forward(self, stream: ResidualStream, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> None:
+    def forward(
+        self,
+        stream: ResidualStream,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: Cache | None = None,
+        keep_input_mixture: bool = False,
+    ) -> torch.Tensor | None:
+        """Returns, with `keep_input_mixture`, the pre-norm mixture the attention side read (else None)."""
         # outputs join the stream in its dtype: under autocast the sublayers compute in bf16, the residual does not
-        x = stream.read(self.input_layernorm)
-        stream.write(self.self_attn(x, cos, sin, mask).to(x.dtype))
+        mixture, x = read_normed(stream, self.input_layernorm, keep_input_mixture)
+        stream.write(self.self_attn(x, cos, sin, mask, cache).to(x.dtype))
         x = stream.read(self.post_attention_layernorm)
         stream.write(self.mlp(x).to(x.dtype))
+        return mixture
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
@@ -166,12 +132,64 @@ class AttnResPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = False
 
     def _init_weights(self, module: nn.Module) -> None:
-        """Linear and Embedding: normal(0, initializer_range); RMSNorm (PreNorms and key norms): ones; pseudo-queries:
-        zero. The guarded `init` functions leave loaded weights alone."""
+        """Linear and Embedding: normal(0, initializer_range), biases zero; RMSNorm (PreNorms, key norms, q/k norms):
+        ones; pseudo-queries: zero. The guarded `init` functions leave loaded weights alone."""
         if isinstance(module, PseudoQuery):
             init.zeros_(module.weight)
         else:
             super()._init_weights(module)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' `from_pretrained`, made strict about the AttnRes weights and the bank layout
+        (`attnres.models.loading`): a mismatch raises a ValueError naming the tensors or the setting."""
+        want_info = kwargs.pop("output_loading_info", False)
+        ignore_mismatched_sizes = kwargs.pop("ignore_mismatched_sizes", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+        )
+        saved = saved_config(pretrained_model_name_or_path, kwargs)
+        check_bank_layout(pretrained_model_name_or_path, saved, model.config)
+        check_loaded_weights(pretrained_model_name_or_path, saved, info, model.state_dict(), ignore_mismatched_sizes)
+        return (model, info) if want_info else model
+
+
+def _cache_argument(cache: Cache | None, kwargs: dict) -> Cache | None:
+    """The KV cache, passed as `cache` (transformers 5) or under its older name `past_key_values`."""
+    legacy = kwargs.pop("past_key_values", None)
+    if legacy is not None:
+        if cache is not None:
+            raise ValueError("cache, past_key_values: pass the KV cache once (past_key_values is its older name)")
+        cache = legacy
+    if cache is not None and not isinstance(cache, Cache):
+        raise TypeError(f"cache: expected a transformers Cache such as DynamicCache, got {type(cache).__name__}")
+    return cache
+
+
+def _check_capture_layers(capture_layers: Sequence[int] | None, num_layers: int) -> list[int]:
+    layers = [] if capture_layers is None else list(capture_layers)
+    valid = all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < num_layers for i in layers)
+    if not valid or len(set(layers)) != len(layers):
+        raise ValueError(
+            f"capture_layers: expected distinct decoder layer indices in [0, {num_layers - 1}], got {capture_layers!r}"
+        )
+    return layers
+
+
+def _check_lengths(config: AttnResConfig, batch: int, past: int, seq: int, attention_mask: torch.Tensor | None) -> None:
+    """The cached plus new tokens must fit the context, and a padding mask must cover them all."""
+    if past + seq > config.max_position_embeddings:
+        cached = f" ({past} cached + {seq} new)" if past else ""
+        raise ValueError(
+            f"input_ids: sequence length {past + seq}{cached} exceeds max_position_embeddings="
+            f"{config.max_position_embeddings}"
+        )
+    if attention_mask is not None and attention_mask.shape != (batch, past + seq):
+        cached = f" (seq counts the {past} cached tokens)" if past else ""
+        raise ValueError(
+            f"attention_mask: expected a [batch, seq] = [{batch}, {past + seq}] padding mask{cached}, "
+            f"got {list(attention_mask.shape)}"
+        )
 
 
 class AttnResModel(AttnResPreTrainedModel):
@@ -181,7 +199,7 @@ class AttnResModel(AttnResPreTrainedModel):
         super().__init__(config)
         dim = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, dim, config.pad_token_id)
-        self.layers = nn.ModuleList(AttnResDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(AttnResDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(dim, config.rms_norm_eps)
         self.points: tuple[DepthAttention, ...] = ()  # the final read's aggregation point (a tuple: not registered)
         if config.residual != "standard":
@@ -208,30 +226,36 @@ class AttnResModel(AttnResPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
         output_depth_weights: bool = False,
+        capture_layers: Sequence[int] | None = None,
+        cache_position: torch.LongTensor | None = None,
         **kwargs,
     ) -> AttnResModelOutput:
-        """input_ids `[batch, seq]` (or inputs_embeds `[batch, seq, hidden]`); attention_mask `[batch, seq]` (1: token,
-        0: padding); position_ids `[batch or 1, seq]` (default 0 .. seq-1)."""
+        """input_ids `[batch, seq]` (or inputs_embeds `[batch, seq, hidden]`): the new tokens, after those in `cache`.
+        attention_mask `[batch, cached + seq]` (1: token, 0: padding); position_ids `[batch or 1, seq]` (default:
+        `cache_position`, else cached .. cached+seq-1). use_cache (default: `config.use_cache`, off in training mode):
+        start a DynamicCache when none is given. `past_key_values` is accepted as the older name of `cache`."""
         config = self.config
+        cache = _cache_argument(cache, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("input_ids, inputs_embeds: pass exactly one of them")
+        capture = _check_capture_layers(capture_layers, config.num_hidden_layers)
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch, seq = hidden.shape[:2]
-        if seq > config.max_position_embeddings:
-            raise ValueError(
-                f"input_ids: sequence length {seq} exceeds max_position_embeddings={config.max_position_embeddings}"
-            )
-        if attention_mask is not None and attention_mask.shape != (batch, seq):
-            raise ValueError(
-                f"attention_mask: expected a [batch, seq] = [{batch}, {seq}] padding mask, "
-                f"got {list(attention_mask.shape)}"
-            )
+        if use_cache is None:
+            use_cache = config.use_cache and not self.training
+        if use_cache and cache is None:
+            cache = DynamicCache(config=config)
+        past = 0 if cache is None else cache.get_seq_length()
+        _check_lengths(config, batch, past, seq, attention_mask)
         if position_ids is None:
-            position_ids = torch.arange(seq, device=hidden.device)[None]
+            position_ids = cache_position if cache_position is not None else torch.arange(past, past + seq)
+            position_ids = position_ids.to(hidden.device)[None]
         cos, sin = (t.to(hidden.dtype) for t in rotary_cos_sin(position_ids, config.head_dim, config.rope_theta))
-        mask = None if attention_mask is None else padding_causal_mask(attention_mask)
+        mask = causal_attention_mask(attention_mask, past, seq, config.sliding_window, hidden.device)
 
         stream = make_stream(
             config.residual,
@@ -244,17 +268,27 @@ class AttnResModel(AttnResPreTrainedModel):
             record_weights=output_depth_weights,
             inference=not torch.is_grad_enabled(),  # Block: the fused bank path
         )
-        for layer in self.layers:
-            layer(stream, cos, sin, mask)
-        hidden = stream.read(self.norm)
-        if not output_depth_weights:
-            return AttnResModelOutput(last_hidden_state=hidden)
-        return AttnResModelOutput(hidden, depth_weights=stream.weights, depth_mixtures=stream.mixtures)
+        # layer i's capture is what the next point forms: layer i + 1's attention side, or the final read
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            mixture = layer(stream, cos, sin, mask, cache, keep_input_mixture=i - 1 in capture)
+            if mixture is not None:
+                captured[i - 1] = mixture
+        mixture, hidden = read_normed(stream, self.norm, config.num_hidden_layers - 1 in capture)
+        if mixture is not None:
+            captured[config.num_hidden_layers - 1] = mixture
+        return AttnResModelOutput(
+            last_hidden_state=hidden,
+            cache=cache,
+            depth_weights=stream.weights if output_depth_weights else None,
+            depth_mixtures=stream.mixtures if output_depth_weights else None,
+            captured_hidden_states=tuple(captured[i] for i in capture) if capture else None,
+        )
 
 
 class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
-    """AttnResModel with a language-model head. No KV cache yet: `generate(..., use_cache=False)` re-reads the whole
-    sequence each step."""
+    """AttnResModel with a language-model head; `generate` and `pipeline("text-generation")` work as for Llama, with
+    the KV cache."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -269,22 +303,40 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
-        output_depth_weights: bool = False,
-        cache=None,
         use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_depth_weights: bool = False,
+        capture_layers: Sequence[int] | None = None,
+        cache_position: torch.LongTensor | None = None,
         **kwargs,
     ) -> AttnResCausalLMOutput:
-        """logits `[batch, seq, vocab]`; with labels `[batch, seq]` (-100: ignored) also the mean next-token loss
-        (labels are shifted inside, the transformers convention)."""
-        if cache is not None or use_cache:
-            raise ValueError("use_cache: AttnResForCausalLM has no KV cache yet; generate with use_cache=False")
-        out = self.model(input_ids, attention_mask, position_ids, inputs_embeds, output_depth_weights)
-        logits = self.lm_head(out.last_hidden_state)
+        """logits `[batch, seq, vocab]` (only the last `logits_to_keep` positions when it is positive); with labels
+        `[batch, seq]` (-100: ignored) also the mean next-token loss (labels are shifted inside, the transformers
+        convention). The other arguments are [`AttnResModel.forward`]'s."""
+        cache = _cache_argument(cache, kwargs)
+        out = self.model(
+            input_ids,
+            attention_mask,
+            position_ids,
+            cache,
+            inputs_embeds,
+            use_cache=use_cache,
+            output_depth_weights=output_depth_weights,
+            capture_layers=capture_layers,
+            cache_position=cache_position,
+        )
+        logits = self.lm_head(slice_logits_to_keep(out.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return AttnResCausalLMOutput(
-            loss=loss, logits=logits, depth_weights=out.depth_weights, depth_mixtures=out.depth_mixtures
+            loss=loss,
+            logits=logits,
+            cache=out.cache,
+            depth_weights=out.depth_weights,
+            depth_mixtures=out.depth_mixtures,
+            captured_hidden_states=out.captured_hidden_states,
         )

@@ -296,13 +296,11 @@ def test_greedy_generation_without_cache_extends_by_argmax(tiny_config, residual
     model = AttnResForCausalLM(tiny_config(residual=residual)).eval()
     randomize_attnres_(model)
     ids = torch.randint(0, 64, (2, 5))
-    generated = model.generate(ids, max_new_tokens=4, do_sample=False)
+    generated = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
     assert generated.shape == (2, 9) and torch.equal(generated[:, :5], ids)
     with torch.no_grad():
         logits = model(generated[:, :-1]).logits
     assert torch.equal(generated[:, 5:], logits[:, 4:].argmax(-1))
-    with pytest.raises(ValueError, match="use_cache"):
-        model.generate(ids, max_new_tokens=2, do_sample=False, use_cache=True)
 
 
 @pytest.mark.parametrize("residual", RESIDUALS)

@@ -1,0 +1,77 @@
+"""`attnres convert`: turn a Llama, Mistral, Qwen2 or Qwen3 checkpoint into an AttnRes model computing the same
+function (zero pseudo-queries with the mixture rescale, DESIGN section 3), ready to fine-tune."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from attnres.layers import RESIDUAL_KINDS
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert a transformers Llama/Mistral/Qwen2/Qwen3 causal LM into an AttnRes model with the same outputs",
+        description="Loads SRC with transformers (safetensors, no remote code), copies every weight into an "
+        "AttnResForCausalLM whose AttnRes parameters start at zero queries and unit gains with "
+        "attn_res_rescale_mixture on, so its logits equal the original's to fp32 rounding, and writes it (with "
+        "SRC's tokenizer, if any) to the new folder DST in one atomic rename.",
+    )
+    p.add_argument("src", metavar="SRC", help="a transformers model folder (or a Hub name, with --allow-download)")
+    p.add_argument("dst", metavar="DST", help="the folder to create for the AttnRes model (must not exist)")
+    p.add_argument("--residual", choices=RESIDUAL_KINDS, default="block", help="(default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="Block AttnRes block size, counted in decoder layers (default: ceil(layers / 8), about 8 blocks)")
+    p.add_argument("--no-rescale", action="store_true",
+                   help="leave attn_res_rescale_mixture off (the Kimi K3 form): outputs then differ from the "
+                   "original's by the RMSNorm eps")
+    p.add_argument("--allow-download", action="store_true", help="let SRC be fetched from the Hugging Face Hub")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from attnres.models import convert_from_hf
+
+    dst = Path(args.dst)
+    if dst.exists():
+        raise ValueError(f"dst: {dst} already exists; choose a new folder")
+    local_only = not args.allow_download
+    source = AutoModelForCausalLM.from_pretrained(args.src, local_files_only=local_only, trust_remote_code=False, dtype="auto")
+    overrides = {"attn_res_rescale_mixture": False} if args.no_rescale else {}
+    model = convert_from_hf(source, residual=args.residual, attn_res_block_size=args.block_size, **overrides)
+    tokenizer = _source_tokenizer(args.src, local_only)
+    tmp = dst.with_name(f".tmp-{dst.name}.{os.getpid()}")
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        os.replace(tmp, dst)  # readers see no folder or the complete one
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    config = model.config
+    layout = f", {config.attn_res_block_size} decoder layers a block" if config.residual == "block" else ""
+    print(
+        f"converted {config.num_hidden_layers}-layer {source.config.model_type} to residual={config.residual}{layout} "
+        f"-> {dst}{'' if tokenizer is None else ' (with its tokenizer)'}"
+    )
+    return 0
+
+
+def _source_tokenizer(src: str, local_only: bool):
+    """SRC's tokenizer, or None when it has none."""
+    from transformers import AutoTokenizer
+
+    if Path(src).is_dir():
+        if not any((Path(src) / name).is_file() for name in TOKENIZER_FILES):
+            return None
+        return AutoTokenizer.from_pretrained(src, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(src, local_files_only=local_only)
+    except OSError:  # a Hub model without tokenizer files
+        return None

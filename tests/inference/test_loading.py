@@ -1,0 +1,123 @@
+"""Loading checkpoints: Kimi K3 names load; missing, extra or mis-shaped AttnRes weights and a block size other
+than the checkpoint's bank layout are errors that name the tensors or the setting."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from attnres.models import AttnResConfig, AttnResForCausalLM
+
+D, LAYERS = 32, 3
+
+
+def config(**overrides) -> AttnResConfig:
+    fields = dict(vocab_size=64, hidden_size=D, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4)
+    return AttnResConfig(**{**fields, "residual": "block", "attn_res_block_size": 2, **overrides})
+
+
+def k3_tensors() -> dict[str, torch.Tensor]:
+    """A checkpoint written by hand under the Llama and Kimi K3 names (DESIGN section 8), random values."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, mean=0.0):
+        return torch.randn(*shape, generator=g) * 0.3 + mean
+
+    tensors = {"model.embed_tokens.weight": rand(64, D), "model.norm.weight": rand(D, mean=1), "lm_head.weight": rand(64, D)}
+    for i in range(LAYERS):
+        prefix = f"model.layers.{i}."
+        for proj in ("q", "k", "v", "o"):
+            tensors[f"{prefix}self_attn.{proj}_proj.weight"] = rand(D, D)
+        tensors[f"{prefix}mlp.gate_proj.weight"] = rand(64, D)
+        tensors[f"{prefix}mlp.up_proj.weight"] = rand(64, D)
+        tensors[f"{prefix}mlp.down_proj.weight"] = rand(D, 64)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{prefix}{norm}.weight"] = rand(D, mean=1)
+        for side in ("self_attention", "mlp"):
+            tensors[f"{prefix}{side}_res_proj.weight"] = rand(1, D)
+            tensors[f"{prefix}{side}_res_norm.weight"] = rand(D, mean=1)
+    tensors["model.output_attn_res_proj.weight"] = rand(1, D)
+    tensors["model.output_attn_res_norm.weight"] = rand(D, mean=1)
+    return tensors
+
+
+def write_checkpoint(folder, tensors, **overrides):
+    config(**overrides).save_pretrained(folder)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_a_checkpoint_with_kimi_k3_names_loads(tmp_path):
+    tensors = k3_tensors()
+    model = AutoModelForCausalLM.from_pretrained(write_checkpoint(tmp_path, tensors)).eval()
+    assert type(model) is AttnResForCausalLM
+    state = model.state_dict()
+    assert set(state) == set(tensors)
+    for name, tensor in tensors.items():
+        assert torch.equal(state[name], tensor), name
+    reference = AttnResForCausalLM(config()).eval()
+    reference.load_state_dict(tensors)
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.pop("model.layers.1.mlp_res_norm.weight"), r"missing \['model.layers.1.mlp_res_norm.weight'\]"),
+        (
+            lambda t: t.update({"model.layers.3.mlp_res_proj.weight": torch.zeros(1, D)}),
+            r"unexpected \['model.layers.3.mlp_res_proj.weight'\]",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attention_res_proj.weight": torch.zeros(D)}),
+            r"mis-shaped \['model.layers.0.self_attention_res_proj.weight \(checkpoint \[32\], model \[1, 32\]\)'\]",
+        ),
+    ],
+    ids=["missing", "extra", "mis-shaped"],
+)
+def test_bad_attnres_weights_are_named(tmp_path, edit, message):
+    tensors = k3_tensors()
+    edit(tensors)
+    with pytest.raises(ValueError, match="checkpoint: .* does not match the model: " + message):
+        AttnResForCausalLM.from_pretrained(write_checkpoint(tmp_path, tensors))
+
+
+def test_other_mis_shaped_weights_are_named_unless_ignored(tmp_path):
+    tensors = k3_tensors()
+    tensors["model.layers.2.mlp.up_proj.weight"] = torch.zeros(63, D)
+    folder = write_checkpoint(tmp_path, tensors)
+    with pytest.raises(ValueError, match=r"mis-shaped \['model.layers.2.mlp.up_proj.weight \(checkpoint \[63, 32\]"):
+        AttnResForCausalLM.from_pretrained(folder)
+    model, info = AttnResForCausalLM.from_pretrained(folder, ignore_mismatched_sizes=True, output_loading_info=True)
+    assert [key for key, *_ in info["mismatched_keys"]] == ["model.layers.2.mlp.up_proj.weight"]
+
+
+def test_an_attnres_config_without_attnres_weights_is_refused(tmp_path):
+    tensors = {k: v for k, v in k3_tensors().items() if "_res_" not in k}
+    with pytest.raises(ValueError, match=r"missing \[.*'model.output_attn_res_norm.weight'"):
+        AttnResForCausalLM.from_pretrained(write_checkpoint(tmp_path, tensors))
+    # the same weights under a PreNorm config start an AttnRes model (its AttnRes weights at their init)
+    folder = write_checkpoint(tmp_path, tensors, residual="standard")
+    model = AttnResForCausalLM.from_pretrained(folder, residual="block", attn_res_block_size=2)
+    assert model.model.output_attn_res_proj.weight.count_nonzero() == 0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(attn_res_block_size=1), "attn_res_block_size: the checkpoint .* bank layout of 2 decoder layers per block"),
+        (dict(residual="full"), "residual: the checkpoint .* was trained with residual='block'"),
+        (dict(residual="standard"), "residual: the checkpoint .* was trained with residual='block'"),
+    ],
+    ids=["block-size", "full", "standard"],
+)
+def test_a_block_size_other_than_the_checkpoints_bank_layout_is_refused(tmp_path, overrides, message):
+    folder = write_checkpoint(tmp_path, k3_tensors())
+    for loader in (AttnResForCausalLM, AutoModelForCausalLM):
+        with pytest.raises(ValueError, match=message):
+            loader.from_pretrained(folder, **overrides)
+    with pytest.raises(ValueError, match=message):
+        AttnResForCausalLM.from_pretrained(folder, config=config(**overrides))
+    assert AttnResForCausalLM.from_pretrained(folder, attn_res_block_size=2).config.attn_res_block_size == 2
