@@ -13,9 +13,12 @@ from __future__ import annotations
 import torch
 
 from attnres.layers.streams import BlockStream
-from attnres.ops.bank import bank_aggregate, bank_merge, bank_rows
+from attnres.ops.bank import bank_aggregate, bank_aggregate_op, bank_merge, bank_merge_op, bank_rows
 from attnres.ops.depth_attention import accumulator_dtype, flat_tokens
 from attnres.ops.two_phase import depth_stats_fwd
+
+
+MIN_TWO_PHASE_TOKENS = 256
 
 
 class BankStream(BlockStream):
@@ -43,9 +46,11 @@ class BankStream(BlockStream):
         if self._phase1_stats is not None and not write:
             t = self.point - self._phase1_start
             m, z, u = (s[t] for s in self._phase1_stats)
-            mix = bank_merge(m, z, u, self.prefix, self.pending, c, out_w, point.eps, out_eps)
+            merge = bank_merge_op if torch.compiler.is_compiling() else bank_merge
+            mix = merge(m, z, u, self.prefix, self.pending, c, out_w, point.eps, out_eps)
         else:
-            mix = bank_aggregate(self.bank, self.nvb, self.prefix, self.pending, c, out_w, point.eps, out_eps, write)
+            aggregate = bank_aggregate_op if torch.compiler.is_compiling() else bank_aggregate
+            mix = aggregate(self.bank, self.nvb, self.prefix, self.pending, c, out_w, point.eps, out_eps, write)
         self.pending = None
         if write:
             self.nvb += 1
@@ -61,7 +66,9 @@ class BankStream(BlockStream):
         """Phase 1 for the block's remaining points against the rows now complete, each row read once."""
         rest = self._block_points()[1:]
         self._phase1_stats = None
-        if self._use_two_phase(self.nvb, len(rest), self.bank.element_size()):
+        # a few tokens (decode) pay more in extra calls than two-phase saves in reads
+        few_tokens = self.two_phase is None and self.bank.shape[0] < MIN_TWO_PHASE_TOKENS
+        if not few_tokens and self._use_two_phase(self.nvb, len(rest), self.bank.element_size()):
             cs = torch.stack([self.points[k].folded_query(self.acc) for k in rest])
             m, z, u, _ = depth_stats_fwd(bank_rows(self.bank, self.nvb), cs, self.points[rest[0]].eps)
             self._phase1_stats = (m, z, u)
