@@ -1,0 +1,122 @@
+"""`attnres train`: train a decoder LM with a standard, Full or Block residual on a corpus that needs no download."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from attnres.training.config import AUTOCAST, DEVICES, RESIDUALS, TrainConfig
+from attnres.training.optim import SCHEDULES
+
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model (standard, full or block residual) and log, evaluate and checkpoint it",
+        description="Train a Llama-style decoder with a standard, Full AttnRes or Block AttnRes residual. The run "
+        "folder (--out) gets config.json, log.jsonl (train and eval lines) and atomic checkpoints; --resume "
+        "continues a stopped run to the same parameters as an uninterrupted one.",
+    )
+    d = p.add_argument_group("data")
+    d.add_argument("--data", nargs="+", default=None, metavar="PATH",
+                   help="text files or folders (recursive, text files only), or hf:NAME[:CONFIG[:SPLIT[:COLUMN]]] for a "
+                   "Hugging Face dataset (needs `datasets` and a network). Default: the .py sources of this Python's "
+                   "standard library, no download")
+    d.add_argument("--max-bytes", type=int, default=DEFAULTS["max_bytes"], help="bytes of text to read (default: %(default)s)")
+    d.add_argument("--tokenizer", default=DEFAULTS["tokenizer"],
+                   help="'bytes' (byte-level, vocab 256, NUL separates files) or a Hugging Face tokenizer name or "
+                   "folder, searched locally unless --allow-download (default: %(default)s)")
+    d.add_argument("--allow-download", action="store_true", help="let --tokenizer be fetched from the Hugging Face Hub")
+    d.add_argument("--val-fraction", type=float, default=DEFAULTS["val_fraction"],
+                   help="the last part of the token stream, held out for validation (default: %(default)s)")
+
+    m = p.add_argument_group("model")
+    m.add_argument("--residual", choices=RESIDUALS, default=DEFAULTS["residual"], help="(default: %(default)s)")
+    m.add_argument("--block-size", type=int, default=DEFAULTS["block_size"],
+                   help="Block AttnRes block size, counted in decoder layers (default: %(default)s)")
+    m.add_argument("--rescale-mixture", action="store_true",
+                   help="attn_res_rescale_mixture: a zero-query AttnRes model computes exactly the standard model")
+    m.add_argument("--layers", type=int, default=DEFAULTS["layers"], help="decoder layers (default: %(default)s)")
+    m.add_argument("--dim", type=int, default=DEFAULTS["dim"], help="hidden size (default: %(default)s)")
+    m.add_argument("--heads", type=int, default=DEFAULTS["heads"], help="attention heads (default: %(default)s)")
+    m.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: as many as --heads)")
+    m.add_argument("--ffn", type=int, default=None,
+                   help="SwiGLU intermediate size (default: 8/3 * dim rounded up to a multiple of 32)")
+    m.add_argument("--tie-embeddings", action="store_true", help="share the input embedding with the output head")
+
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"], help="tokens a sequence (default: %(default)s)")
+    o.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="sequences a step (default: %(default)s)")
+    o.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps (default: %(default)s)")
+    o.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak AdamW learning rate (default: %(default)s)")
+    o.add_argument("--warmup", type=int, default=None, help="linear warm-up steps (default: a tenth of --steps)")
+    o.add_argument("--schedule", choices=SCHEDULES, default=DEFAULTS["schedule"],
+                   help="decay after warm-up: cosine, or wsd (stable, then linear decay over --decay-fraction of the "
+                   "steps) (default: %(default)s)")
+    o.add_argument("--min-lr-ratio", type=float, default=DEFAULTS["min_lr_ratio"],
+                   help="the schedule ends at lr * this (default: %(default)s)")
+    o.add_argument("--decay-fraction", type=float, default=DEFAULTS["decay_fraction"],
+                   help="wsd: share of the steps spent decaying (default: %(default)s)")
+    o.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"],
+                   help="AdamW weight decay of the weight matrices; norms, biases and embeddings get none (default: %(default)s)")
+    o.add_argument("--attn-res-lr-mult", type=float, default=DEFAULTS["attn_res_lr_mult"],
+                   help="learning-rate multiplier of the AttnRes pseudo-queries and key gains; at 1 the depth softmax "
+                   "saturates early and AttnRes loses at small scale (DESIGN section 9) (default: %(default)s)")
+    o.add_argument("--attn-res-weight-decay", type=float, default=DEFAULTS["attn_res_weight_decay"],
+                   help="weight decay of the AttnRes parameters (default: %(default)s)")
+    o.add_argument("--grad-clip", type=float, default=DEFAULTS["grad_clip"],
+                   help="clip the global gradient norm to this; 0: no clipping (default: %(default)s)")
+    o.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seeds the weights and the batches (default: %(default)s)")
+    o.add_argument("--autocast", choices=AUTOCAST, default=DEFAULTS["autocast"],
+                   help="bf16 autocast (weights and optimizer stay fp32). auto: on for CUDA, off on CPU, where bf16 "
+                   "autocast measured slower than fp32 (default: %(default)s)")
+    o.add_argument("--device", choices=DEVICES, default=DEFAULTS["device"], help="(default: %(default)s: CUDA if present)")
+    o.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's own choice). On a machine whose cores other jobs "
+                   "share, 1 can be many times faster than 2")
+
+    r = p.add_argument_group("run folder")
+    r.add_argument("--out", default=None, help="run folder (default: runs/<residual>-L<layers>-d<dim>-s<seed>)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its latest checkpoint (or start it when there is none)")
+    r.add_argument("--overwrite", action="store_true", help="delete the run already in --out and start afresh")
+    r.add_argument("--stop-after", type=int, default=None,
+                   help="end this invocation after this many steps, checkpointed; --resume continues to --steps")
+    r.add_argument("--eval-interval", type=int, default=DEFAULTS["eval_interval"], help="(default: %(default)s)")
+    r.add_argument("--eval-batches", type=int, default=DEFAULTS["eval_batches"],
+                   help="fixed validation batches, spread over the held-out split (default: %(default)s)")
+    r.add_argument("--log-interval", type=int, default=DEFAULTS["log_interval"], help="(default: %(default)s)")
+    r.add_argument("--checkpoint-interval", type=int, default=DEFAULTS["checkpoint_interval"],
+                   help="(default: %(default)s; the last step is always saved)")
+    r.add_argument("--keep-checkpoints", type=int, default=DEFAULTS["keep_checkpoints"], help="(default: %(default)s)")
+    r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args) -> TrainConfig:
+    values = {name: getattr(args, name) for name in DEFAULTS if hasattr(args, name)}
+    if values.get("data") is None:
+        values["data"] = DEFAULTS["data"]
+    elif len(values["data"]) == 1:
+        values["data"] = values["data"][0]
+    return TrainConfig(**values)
+
+
+def run(args) -> int:
+    from attnres.training import TrainingDiverged, train
+
+    try:
+        result = train(config_from_args(args))
+    except ValueError as e:
+        print(f"attnres train: error: {e}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as e:
+        print(f"attnres train: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"{result.run_dir}: {result.steps} steps, val loss {result.final_val_loss:.4f}, "
+        f"{result.num_params:,} parameters, {result.tokens_per_s:,.0f} tokens/s"
+    )
+    return 0

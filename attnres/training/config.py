@@ -1,0 +1,136 @@
+"""`TrainConfig`: every setting of a training run, checked when it is made."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from attnres.training.optim import SCHEDULES
+
+RESIDUALS = ("standard", "full", "block")
+AUTOCAST = ("auto", "off", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+
+# settings that may change when a run is resumed: they do not change the parameters it ends with
+RESUMABLE_CHANGES = frozenset(
+    {"resume", "stop_after", "progress", "log_interval", "eval_interval", "checkpoint_interval", "keep_checkpoints",
+     "allow_download", "out", "overwrite", "device", "threads"}
+)
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Field names match the `attnres train` flags (`seq_len` is `--seq-len`)."""
+
+    # data
+    data: str | list[str] = "stdlib"  # "stdlib", text files / folders, or "hf:NAME[:CONFIG[:SPLIT[:COLUMN]]]"
+    max_bytes: int = 16 * 2**20  # bytes of text read from `data`
+    tokenizer: str = "bytes"  # "bytes" (vocab 256) or a Hugging Face tokenizer name / folder
+    allow_download: bool = False  # let the Hugging Face tokenizer be fetched from the Hub
+    val_fraction: float = 0.05  # the last part of the token stream, held out for validation
+    # model
+    residual: str = "block"
+    block_size: int = 2  # Block AttnRes block size, in decoder layers
+    rescale_mixture: bool = False  # `attn_res_rescale_mixture` (DESIGN section 3)
+    layers: int = 6
+    dim: int = 128
+    heads: int = 4
+    kv_heads: int | None = None  # None: as many as `heads`
+    ffn: int | None = None  # None: 8/3 * dim rounded up to a multiple of 32 (SwiGLU at the size of a 4*dim MLP)
+    tie_embeddings: bool = False
+    # optimisation
+    seq_len: int = 128
+    batch_size: int = 16
+    steps: int = 600
+    lr: float = 3e-3
+    warmup: int | None = None  # None: a tenth of the steps
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
+    decay_fraction: float = 0.2  # WSD: the share of the steps spent decaying
+    weight_decay: float = 0.1
+    attn_res_lr_mult: float = 0.1  # DESIGN section 9: at 1.0 the depth softmax saturates and AttnRes loses
+    attn_res_weight_decay: float = 0.0
+    grad_clip: float = 1.0  # 0 turns clipping off (the norm is still logged)
+    seed: int = 0
+    autocast: str = "auto"  # "auto": bf16 on CUDA, off on CPU (measured slower there); "off"; "bf16"
+    device: str = "auto"
+    threads: int | None = None  # CPU threads for torch (torch.set_num_threads, process-wide); None: torch's default
+    # run folder, logs, checkpoints
+    out: str | None = None  # None: runs/<residual>-L<layers>-d<dim>-s<seed>
+    resume: bool = False  # continue the run in `out` from its latest checkpoint (start it if there is none)
+    overwrite: bool = False  # delete the run already in `out` and start afresh
+    stop_after: int | None = None  # end this invocation after this many steps (checkpointed); resume continues
+    eval_interval: int = 100
+    eval_batches: int = 8
+    log_interval: int = 10
+    checkpoint_interval: int = 200
+    keep_checkpoints: int = 1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "layers", "dim", "heads", "block_size", "seq_len", "batch_size", "steps",
+                     "eval_interval", "eval_batches", "log_interval", "checkpoint_interval", "keep_checkpoints"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("kv_heads", "ffn", "stop_after", "threads"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
+        if self.warmup is not None:
+            _check_int("warmup", self.warmup, minimum=0)
+        _check_int("seed", self.seed, minimum=0)
+        _check_choice("residual", self.residual, RESIDUALS)
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        _check_choice("autocast", self.autocast, AUTOCAST)
+        _check_choice("device", self.device, DEVICES)
+        _check_float("lr", self.lr, low=0, low_open=True)
+        _check_float("val_fraction", self.val_fraction, low=0, high=1, low_open=True, high_open=True)
+        _check_float("min_lr_ratio", self.min_lr_ratio, low=0, high=1)
+        _check_float("decay_fraction", self.decay_fraction, low=0, high=1, low_open=True)
+        for name in ("weight_decay", "attn_res_lr_mult", "attn_res_weight_decay", "grad_clip"):
+            _check_float(name, getattr(self, name), low=0)
+        if self.resume and self.overwrite:
+            raise ValueError("resume, overwrite: expected at most one of them to be set")
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup: expected at most steps={self.steps} warm-up steps, got {self.warmup}")
+        if not isinstance(self.data, (str, os.PathLike, list, tuple)) or (isinstance(self.data, (list, tuple)) and not self.data):
+            raise TypeError(f"data: expected a path, a list of paths, 'stdlib' or 'hf:...', got {self.data!r}")
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup is not None else self.steps // 10
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn if self.ffn is not None else -(-8 * self.dim // 3 // 32) * 32
+
+    def default_out(self) -> str:
+        return os.path.join("runs", f"{self.residual}-L{self.layers}-d{self.dim}-s{self.seed}")
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value}")
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+
+
+def _check_float(name: str, value, low=None, high=None, low_open=False, high_open=False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    ok = value == value  # NaN fails every range
+    if low is not None:
+        ok = ok and (value > low if low_open else value >= low)
+    if high is not None:
+        ok = ok and (value < high if high_open else value <= high)
+    if not ok:
+        lo = "" if low is None else f"{'>' if low_open else '>='} {low}"
+        hi = "" if high is None else f"{'<' if high_open else '<='} {high}"
+        raise ValueError(f"{name}: expected a number {' and '.join(s for s in (lo, hi) if s)}, got {value}")

@@ -1,0 +1,257 @@
+"""`train(config) -> RunResult`: one training run, in-process, from data to checkpoints.
+
+The run folder (see `attnres.training.run_folder`) holds `config.json`, `log.jsonl` (see
+`attnres.training.logs`) and `checkpoints/`. A resumed run (`resume=True`) restores the weights, the optimizer,
+the step, the data sampler's generator and the RNG state from the latest checkpoint, so it ends with the same
+parameters, bit for bit, as a run that was never stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from attnres.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from attnres.training.config import TrainConfig
+from attnres.training.data import WindowSampler, check_fits, eval_batches, load_tokenizer, read_corpus, tokenize_and_split
+from attnres.training.logs import RunLog, read_log
+from attnres.training.optim import build_optimizer, lr_factor, set_lr
+from attnres.training.run_folder import CHECKPOINTS, describe_run, prepare_run_dir
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm became NaN or inf; the weights of that step were not updated."""
+
+    def __init__(self, step: int, what: str, value: float | str, checkpoint: Path | None):
+        self.step, self.checkpoint = step, checkpoint
+        kept = f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
+        super().__init__(
+            f"training diverged at step {step}: the {what} is {value}. The run stopped before updating the weights; "
+            f"{kept}. Try a lower lr, a longer warmup or grad_clip, then resume or restart."
+        )
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    steps: int  # optimizer steps completed
+    final_val_loss: float  # nats per token on the fixed validation batches, at the last step
+    final_train_loss: float  # mean training loss over the last log interval
+    num_params: int
+    tokens_per_s: float  # training throughput of this invocation (evaluation and checkpoints excluded)
+    val_history: list[tuple[int, float]] = field(default_factory=list)  # (step, val_loss) of this invocation
+    model: nn.Module | None = field(default=None, repr=False)
+
+
+def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
+    """The `AttnResForCausalLM` the config describes, initialised from `config.seed`."""
+    from attnres.models import AttnResConfig, AttnResForCausalLM
+
+    model_config = AttnResConfig(
+        vocab_size=vocab_size,
+        hidden_size=config.dim,
+        intermediate_size=config.ffn_size,
+        num_hidden_layers=config.layers,
+        num_attention_heads=config.heads,
+        num_key_value_heads=config.kv_heads or config.heads,
+        max_position_embeddings=config.seq_len,
+        tie_word_embeddings=config.tie_embeddings,
+        residual=config.residual,
+        attn_res_block_size=config.block_size,
+        attn_res_rescale_mixture=config.rescale_mixture,
+    )
+    torch.manual_seed(config.seed)
+    return AttnResForCausalLM(model_config)
+
+
+def train(config: TrainConfig, model: nn.Module | None = None) -> RunResult:
+    """Train `model` (default: `build_model(config, ...)`) as `config` says; see the module docstring.
+
+    `model` is any module whose `forward(input_ids=[B, T], labels=[B, T])` returns an object with `.loss` (the
+    mean next-token loss, labels shifted inside, as in transformers). Every setting and the data are checked
+    before anything is written: bad ones raise ValueError naming the setting. A loss or gradient norm that
+    becomes NaN or inf raises `TrainingDiverged`.
+    """
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    device = _resolve_device(config.device)
+    autocast_dtype = _resolve_autocast(config.autocast, device)
+    run_dir = Path(config.out or config.default_out())
+    tokenizer = load_tokenizer(config.tokenizer, config.allow_download)
+    if model is None:
+        model = build_model(config, tokenizer.vocab_size)
+    else:
+        torch.manual_seed(config.seed)
+    corpus = read_corpus(config.data, config.max_bytes)
+    splits = tokenize_and_split(corpus, tokenizer, config.val_fraction)
+    check_fits(splits, config.seq_len, config.val_fraction)
+    data = {"corpus": corpus.description, "tokenizer": config.tokenizer, "vocab_size": tokenizer.vocab_size,
+            "train_tokens": len(splits.train), "val_tokens": len(splits.val), "fingerprint": splits.fingerprint}
+    run_info = describe_run(config, model, data, device, autocast_dtype)
+    prepare_run_dir(run_dir, config, run_info)
+
+    model.to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(
+        model, lr=config.lr, weight_decay=config.weight_decay, attn_res_lr_mult=config.attn_res_lr_mult,
+        attn_res_weight_decay=config.attn_res_weight_decay,
+    )
+    sampler = WindowSampler(splits.train, config.seq_len, config.batch_size, config.seed)
+    val_batches = [b.to(device) for b in eval_batches(splits.val, config.seq_len, config.batch_size, config.eval_batches)]
+    autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+    log = RunLog(run_dir)
+    checkpoints = run_dir / CHECKPOINTS
+
+    step = 0
+    if config.resume:
+        last = latest_checkpoint(checkpoints)
+        if last is not None:
+            state = load_checkpoint(last, model)
+            optimizer.load_state_dict(state["optimizer"])
+            sampler.load_state_dict(state["sampler"])
+            _set_rng_state(state["rng"])
+            step = state["step"]
+        log.truncate_after(step if last is not None else -1)  # the steps past the checkpoint are done again
+
+    def evaluate() -> tuple[int, float]:
+        val_loss = _evaluate(model, val_batches, autocast)
+        log.write("eval", step=step, val_loss=val_loss)
+        return step, val_loss
+
+    end = min(config.steps, config.stop_after or config.steps)
+    first_step = step
+    val_history = [evaluate()] if step == 0 else []
+    tokens_per_step = config.batch_size * config.seq_len
+    window, train_time, train_loss, postfix = _Window(), 0.0, math.nan, {}
+    start = time.perf_counter()
+    bar = tqdm(total=config.steps, initial=step, disable=not config.progress, unit="step", dynamic_ncols=True)
+    try:
+        while step < end:
+            t0 = time.perf_counter()
+            lr = set_lr(optimizer, lr_factor(
+                step, steps=config.steps, warmup=config.warmup_steps, schedule=config.schedule,
+                min_lr_ratio=config.min_lr_ratio, decay_fraction=config.decay_fraction,
+            ))
+            batch = sampler.next_batch().to(device)
+            with autocast:
+                loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip or math.inf)
+            loss_value, norm_value = loss.item(), grad_norm.item()
+            for what, value in (("loss", loss_value), ("gradient norm", norm_value)):
+                if not math.isfinite(value):  # checked before optimizer.step(): the weights stay those of `step`
+                    log.write("diverged", step=step + 1, loss=loss_value, grad_norm=norm_value)
+                    raise TrainingDiverged(step + 1, what, value, latest_checkpoint(checkpoints))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            seconds = time.perf_counter() - t0
+            train_time += seconds
+            window.add(loss_value, norm_value, seconds)
+
+            if step % config.log_interval == 0 or step == end:
+                train_loss, grad_norm_mean, tokens_per_s = window.flush(tokens_per_step)
+                log.write("train", step=step, loss=train_loss, lr=lr, grad_norm=grad_norm_mean,
+                          tokens_per_s=tokens_per_s, elapsed_s=time.perf_counter() - start)
+                postfix.update(loss=f"{train_loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+            if step % config.eval_interval == 0 or step == end:
+                val_history.append(evaluate())
+                postfix["val"] = f"{val_history[-1][1]:.3f}"
+            if step % config.checkpoint_interval == 0 or step == end:
+                _check_finite_weights(model, step, latest_checkpoint(checkpoints))  # only good weights are saved
+                state = {"optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(), "rng": _rng_state()}
+                save_checkpoint(checkpoints, step, model, state, keep=config.keep_checkpoints)
+            bar.set_postfix(postfix, refresh=False)
+            bar.update(1)
+    finally:
+        bar.close()
+
+    if not val_history:  # resumed a run that had already reached its end: report its last evaluation
+        val_history = [(r["step"], r["val_loss"]) for r in read_log(run_dir, "eval") if r["step"] == step]
+    steps_run = step - first_step
+    return RunResult(
+        run_dir=run_dir,
+        steps=step,
+        final_val_loss=val_history[-1][1] if val_history else math.nan,
+        final_train_loss=train_loss,
+        num_params=run_info["num_params"],
+        tokens_per_s=steps_run * tokens_per_step / train_time if steps_run else math.nan,
+        val_history=val_history,
+        model=model,
+    )
+
+
+def _check_finite_weights(model: nn.Module, step: int, checkpoint: Path | None) -> None:
+    for name, p in model.named_parameters():
+        if not torch.isfinite(p).all():
+            raise TrainingDiverged(step, f"parameter {name}", "not finite", checkpoint)
+
+
+class _Window:
+    """Sums over one log interval."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.losses, self.norms, self.seconds = [], [], 0.0
+
+    def add(self, loss: float, grad_norm: float, seconds: float) -> None:
+        self.losses.append(loss)
+        self.norms.append(grad_norm)
+        self.seconds += seconds
+
+    def flush(self, tokens_per_step: int) -> tuple[float, float, float]:
+        """(mean loss, mean gradient norm, tokens per second) of the interval; starts the next one."""
+        n = len(self.losses)
+        result = sum(self.losses) / n, sum(self.norms) / n, n * tokens_per_step / self.seconds
+        self.reset()
+        return result
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, batches: list[torch.Tensor], autocast: AbstractContextManager) -> float:
+    """Mean loss over the fixed validation batches (equal sizes, so the mean of the batch means)."""
+    model.eval()
+    with autocast:
+        losses = [model(input_ids=b, labels=b).loss.float().item() for b in batches]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def _resolve_autocast(name: str, device: torch.device) -> torch.dtype | None:
+    """bf16 for "bf16", and for "auto" on a CUDA device that has it. On CPU "auto" is off: without native bf16
+    matrix units (AVX2 here) bf16 autocast measured several times slower than fp32."""
+    if name == "bf16":
+        return torch.bfloat16
+    if name == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
