@@ -5,7 +5,7 @@ AttnRes runs sweep the learning-rate multiplier of their pseudo-queries and key 
 (`<out>/runs/<name>/`), so an interrupted reproduction continues where it stopped. The results page (`--page`,
 default docs/results.md) gets the tables, the per-layer magnitude pictures and the exact command.
 
-    python experiments/reproduce.py            # the full grid, about an hour on 2 cores
+    python experiments/reproduce.py            # the full grid (24 runs), about an hour on 2 cores
     python experiments/reproduce.py --quick    # a smoke test of the whole pipeline in a minute or two
 """
 
@@ -43,11 +43,12 @@ SIZES = {
 
 
 def grid(args) -> list[tuple[str, str, str, float, int, TrainConfig]]:
-    """(name, size, residual, lr multiplier, seed, config) of every run, standard first."""
+    """(name, size, residual, lr multiplier, seed, config) of every run, standard first. The multiplier is swept
+    at the first size; the deeper size (the slower one) runs AttnRes at `--deep-mult` only."""
     runs = []
-    for size, shape in SIZES.items():
+    for i, (size, shape) in enumerate(SIZES.items()):
         for residual in ("standard", "full", "block"):
-            mults = [1.0] if residual == "standard" else args.mults
+            mults = [1.0] if residual == "standard" else args.mults if i == 0 else [args.deep_mult]
             for mult in mults:
                 for seed in range(args.seeds):
                     name = f"{size}-{residual}-x{mult:g}-s{seed}"
@@ -72,7 +73,7 @@ def _run_one(job) -> tuple[str, dict]:
              "num_params": result.num_params, "tokens_per_s": result.tokens_per_s,
              "seconds": time.perf_counter() - start}
     if seed == 0:
-        entry["profile"] = profile_to_json(depth_profile(result.model, batch))
+        entry["profile"] = profile_to_json(depth_profile(result.model, torch.tensor(batch)))
     return name, entry
 
 
@@ -80,7 +81,7 @@ def run_all(args) -> dict:
     results_path = Path(args.out) / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
     runs = grid(args)
-    batch = profile_batch(runs[0][-1], 4)
+    batch = profile_batch(runs[0][-1], 4).tolist()  # plain lists cross the process boundary without shared memory
     todo = [(*run, batch) for run in runs if run[0] not in results]
     with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(_run_one, job) for job in todo]
@@ -152,18 +153,20 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/reproduce", help="folder of the runs and results.json (default: %(default)s)")
     p.add_argument("--page", default="docs/results.md", help="results page to write (default: %(default)s)")
     p.add_argument("--workers", type=int, default=2, help="runs trained at once, one thread each (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=250)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--mults", type=float, nargs="+", default=[1.0, 0.1], help="AttnRes lr multipliers to sweep")
+    p.add_argument("--mults", type=float, nargs="+", default=[1.0, 0.1],
+                   help="AttnRes lr multipliers swept at the first size (default: 1 0.1)")
+    p.add_argument("--deep-mult", type=float, default=0.1, help="AttnRes lr multiplier at the deeper size (default: 0.1)")
     p.add_argument("--max-bytes", type=int, default=8 * 2**20)
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="tiny grid to check the pipeline (not a result)")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.seeds, args.mults, args.max_bytes, args.eval_batches = 20, 2, [0.1], 2**20, 2
+        args.steps, args.seeds, args.mults, args.max_bytes, args.eval_batches = 20, 2, [1.0, 0.1], 2**20, 2
         args.out, args.page = args.out + "-quick", str(Path(args.out + "-quick") / "results.md")
     results = run_all(args)
     write_page(args, results, Path(args.page))
