@@ -1,0 +1,90 @@
+"""CPU fast path of the depth-attention operator: a compiled kernel that streams each source once.
+
+The functions have exactly the contracts of the `attnres::depth_attention_fwd/bwd` custom ops, so the dispatch
+can route CPU tensors here. `available()` says whether the kernel could be built and loaded (it compiles on first
+call, see `build.py`; the reason for a failure is logged once) and is False when `ATTNRES_DISABLE_CPU_KERNEL=1`.
+
+Environment: ATTNRES_DISABLE_CPU_KERNEL=1 (use the torch path), ATTNRES_CACHE_DIR (where the compiled library is
+kept, default ~/.cache/attnres), CXX (the compiler, default c++).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from attnres.ops.cpu.build import build_library
+
+DISABLE_ENV = "ATTNRES_DISABLE_CPU_KERNEL"
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _load() -> bool:
+    try:
+        torch.ops.load_library(str(build_library()))
+    except (OSError, RuntimeError) as e:
+        log.warning("attnres CPU kernel unavailable, using the torch path: %s", e)
+        return False
+    return True
+
+
+def disabled() -> bool:
+    """True when the environment switches the kernel off (ATTNRES_DISABLE_CPU_KERNEL set to anything but 0)."""
+    return os.environ.get(DISABLE_ENV, "0") not in ("", "0")
+
+
+def available() -> bool:
+    """True when the compiled kernel is loaded (building it on first call) and not disabled by the environment."""
+    return not disabled() and _load()
+
+
+def _ops():
+    if not _load():
+        raise RuntimeError("attnres CPU kernel: the compiled library is not available (see the logged reason)")
+    return torch.ops.attnres_cpu
+
+
+def cpu_depth_attention_fwd(
+    sources: list[torch.Tensor],
+    c: torch.Tensor,
+    out_norm_weight: torch.Tensor | None,
+    eps: float,
+    out_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward of `attnres::depth_attention_fwd` on CPU.
+
+    Args: R sources `[..., d]` (fp32, bf16, fp16 or fp64, any strides), the folded query c `[d]`, the optional
+    output-norm gain `[d]`, the key and output-norm epsilons.
+    Returns: (mixture `[..., d]` in the sources' dtype, weights `[R, ...]`, key rstd `[R, ...]`), the two rows in
+    the accumulator dtype (fp32; fp64 for fp64 sources).
+    """
+    return _ops().depth_attention_fwd(sources, c, out_norm_weight, eps, out_eps)
+
+
+def cpu_depth_attention_bwd(
+    grad_out: torch.Tensor,
+    grad_weights: torch.Tensor | None,
+    sources: list[torch.Tensor],
+    c: torch.Tensor,
+    out_norm_weight: torch.Tensor | None,
+    weights: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+    out_eps: float,
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Backward of `attnres::depth_attention_fwd` on CPU, the contract of `attnres::depth_attention_bwd`.
+
+    Args: grad_out `[..., d]`, the optional gradient of the weights `[R, ...]`, the forward's inputs, and its saved
+    weights and key rstd `[R, ...]` (`eps` is not needed again: the rstd carries it).
+    Returns: (gradient of each source `[..., d]` in its dtype, gradient of c `[d]`, gradient of the output-norm
+    gain `[d]`, zeros when there is none), the last two in the accumulator dtype.
+    """
+    grads, dc, d_out_w = _ops().depth_attention_bwd(
+        grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, out_eps
+    )
+    return list(grads), dc, d_out_w

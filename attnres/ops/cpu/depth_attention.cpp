@@ -1,0 +1,522 @@
+// CPU fast path of the depth-attention operator (math and contract: attnres/ops/depth_attention.py).
+//
+// The operator is memory-bound: its floor is one read of its sources. So each kernel reads every source row from
+// memory once, one token at a time, and does the rest of its work while the token's rows sit in L2:
+//  - forward: score the token's rows (dot with c and sum of squares, the R rows read side by side), then mix them
+//    in one fused pass that keeps a block of the output in registers while the R rows stream past. When the rows
+//    of a token do not fit in L2 they are taken in groups merged by an online softmax (running max, rescaled
+//    partial sum);
+//  - backward: (with the output norm: mix again, for its gradient), dot each row with c and dm, then write every
+//    source gradient in one pass that accumulates dc from the same loads.
+// Reductions are in fp32 (fp64 for fp64 sources). Tokens are split across threads by at::parallel_for; scratch
+// memory is a few d-long rows per thread. SIMD is written with GCC/Clang vector extensions at the machine's width
+// (the library is compiled with -march=native), with x86 intrinsics where they beat the generic bf16 and fp16
+// conversions. Large outputs ask for transparent huge pages (see new_output).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kVecBytes = 64;
+#elif defined(__AVX__)
+constexpr int64_t kVecBytes = 32;
+#else
+constexpr int64_t kVecBytes = 16;
+#endif
+
+template <class T, int64_t N>
+struct VecOf {
+  typedef T type __attribute__((vector_size(N * sizeof(T))));
+};
+template <class A>
+constexpr int64_t kWidth = kVecBytes / sizeof(A);  // lanes of one register
+template <class A>
+using Vec = typename VecOf<A, kWidth<A>>::type;
+constexpr int64_t kUnroll = 4;  // registers per block: independent sums, or a block of a row held across rows
+
+template <class V, class T>
+inline V load_bits(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <class V, class T>
+inline void store_bits(T* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// Storage formats: `raw` is what memory holds, `acc` the accumulation type; load/store convert one element,
+// vload/vstore one register of kWidth<acc> elements.
+template <class T>
+struct Plain {
+  using raw = T;
+  using acc = T;
+  static T load(T v) { return v; }
+  static T store(T v) { return v; }
+  static Vec<T> vload(const T* p) { return load_bits<Vec<T>>(p); }
+  static void vstore(T* p, Vec<T> v) { store_bits(p, v); }
+};
+using F32 = Plain<float>;
+using F64 = Plain<double>;
+
+struct BF16 {
+  using raw = uint16_t;
+  using acc = float;
+  using Bits16 = VecOf<uint16_t, kWidth<float>>::type;
+  using Bits32 = VecOf<uint32_t, kWidth<float>>::type;
+  static float load(uint16_t v) { return std::bit_cast<float>(uint32_t(v) << 16); }
+  static uint16_t store(float v) {  // round to nearest even, NaN to the canonical quiet NaN (as c10::BFloat16)
+    uint32_t u = std::bit_cast<uint32_t>(v);
+    return v != v ? uint16_t(0x7FC0) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+#if defined(__AVX512F__)
+  static Vec<float> vload(const uint16_t* p) {
+    return Vec<float>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_bits<__m256i>(p)), 16));
+  }
+#elif defined(__AVX2__)  // one widening load and a shift (the generic form compiles to twice the instructions)
+  static Vec<float> vload(const uint16_t* p) {
+    return Vec<float>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load_bits<__m128i>(p)), 16));
+  }
+#else
+  static Vec<float> vload(const uint16_t* p) {
+    return reinterpret_cast<Vec<float>>(__builtin_convertvector(load_bits<Bits16>(p), Bits32) << 16);
+  }
+#endif
+  static void vstore(uint16_t* p, Vec<float> v) {
+    Bits32 u = reinterpret_cast<Bits32>(v);
+    Bits32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    store_bits(p, __builtin_convertvector(v != v ? Bits32{} + 0x7FC0u : rounded, Bits16));
+  }
+};
+
+struct F16 {
+  using raw = uint16_t;
+  using acc = float;
+#ifdef __FLT16_MANT_DIG__
+  static float load(uint16_t v) { return float(std::bit_cast<_Float16>(v)); }
+  static uint16_t store(float v) { return std::bit_cast<uint16_t>(_Float16(v)); }
+#else
+  static float load(uint16_t v) { return float(c10::Half(v, c10::Half::from_bits())); }
+  static uint16_t store(float v) { return c10::Half(v).x; }
+#endif
+#if defined(__F16C__) && defined(__AVX512F__)
+  static Vec<float> vload(const uint16_t* p) { return Vec<float>(_mm512_cvtph_ps(load_bits<__m256i>(p))); }
+  static void vstore(uint16_t* p, Vec<float> v) {
+    store_bits(p, _mm512_cvtps_ph(__m512(v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+#elif defined(__F16C__) && defined(__AVX__)
+  static Vec<float> vload(const uint16_t* p) { return Vec<float>(_mm256_cvtph_ps(load_bits<__m128i>(p))); }
+  static void vstore(uint16_t* p, Vec<float> v) {
+    store_bits(p, _mm256_cvtps_ph(__m256(v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+#else
+  static Vec<float> vload(const uint16_t* p) {
+    Vec<float> v;
+    for (int64_t k = 0; k < kWidth<float>; ++k) v[k] = load(p[k]);
+    return v;
+  }
+  static void vstore(uint16_t* p, Vec<float> v) {
+    for (int64_t k = 0; k < kWidth<float>; ++k) p[k] = store(v[k]);
+  }
+#endif
+};
+
+template <class A>
+inline Vec<A> splat(A a) {
+  return Vec<A>{} + a;
+}
+
+template <class A>
+inline A hsum(Vec<A> v) {
+  A t = 0;
+  for (int64_t k = 0; k < kWidth<A>; ++k) t += v[k];
+  return t;
+}
+
+// For each of `count` rows x_j of d elements: (sum x_j*u, sum x_j*v), with u = x_j itself under kSquare (the key's
+// sum of squares). The rows are read side by side, one cache line of each in turn: with all of a token's source
+// streams advancing together the memory system keeps more loads in flight than when it streams one row after
+// another (10-20% faster from DRAM on a 2-core EPYC). `scratch` holds 4 * count registers of partial sums;
+// they are folded into totals every kFold lines, so that no partial sum adds up more than a few dozen terms
+// however long the row (fp32 rounding error stays small).
+template <class K, bool kSquare = false, class A = typename K::acc>
+inline void dot2_rows(const typename K::raw* const* x, int64_t count, const std::type_identity_t<A>* u,
+                      const std::type_identity_t<A>* v, int64_t d, Vec<A>* scratch, A* out_u, A* out_v) {
+  using P = Plain<A>;
+  constexpr int64_t w = kWidth<A>, line = 64 / sizeof(typename K::raw), kFold = 32;
+  static_assert(line % w == 0, "a cache line of the storage format must fill whole registers");
+  Vec<A>* part_u = scratch;
+  Vec<A>* part_v = scratch + count;
+  Vec<A>* total_u = scratch + 2 * count;
+  Vec<A>* total_v = scratch + 3 * count;
+  std::fill(scratch, scratch + 4 * count, Vec<A>{});
+  int64_t i = 0;
+  for (int64_t lines = 1; i + line <= d; i += line, ++lines) {
+    Vec<A> uv[line / w], vv[line / w];
+    for (int64_t k = 0; k < line / w; ++k) {
+      if constexpr (!kSquare) uv[k] = P::vload(u + i + k * w);
+      vv[k] = P::vload(v + i + k * w);
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      Vec<A> su = {}, sv = {};
+      for (int64_t k = 0; k < line / w; ++k) {
+        const Vec<A> xv = K::vload(x[j] + i + k * w);
+        su += xv * (kSquare ? xv : uv[k]);
+        sv += xv * vv[k];
+      }
+      part_u[j] += su, part_v[j] += sv;
+    }
+    if (lines % kFold == 0)
+      for (int64_t j = 0; j < count; ++j) {
+        total_u[j] += part_u[j], total_v[j] += part_v[j];
+        part_u[j] = part_v[j] = Vec<A>{};
+      }
+  }
+  for (int64_t j = 0; j < count; ++j) {
+    A tu = hsum<A>(total_u[j] + part_u[j]), tv = hsum<A>(total_v[j] + part_v[j]);
+    for (int64_t e = i; e < d; ++e) {
+      const A xv = K::load(x[j][e]);
+      tu += xv * (kSquare ? xv : u[e]);
+      tv += xv * v[e];
+    }
+    out_u[j] = tu, out_v[j] = tv;
+  }
+}
+
+// dst = scale * dst + sum_j p[j] x_j over `count` rows (dst is read only when `rescale`): a block of dst stays in
+// registers while the rows stream past.
+template <class K, class A = typename K::acc>
+inline void mix_rows(const typename K::raw* const* x, const A* p, int64_t count, bool rescale, A scale, int64_t d,
+                     A* dst) {
+  constexpr int64_t w = kWidth<A>, block = kUnroll * w;
+  int64_t i = 0;
+  for (; i + block <= d; i += block) {
+    Vec<A> blk[kUnroll];
+    for (int64_t k = 0; k < kUnroll; ++k)
+      blk[k] = rescale ? splat(scale) * Plain<A>::vload(dst + i + k * w) : Vec<A>{};
+    for (int64_t j = 0; j < count; ++j) {
+      const Vec<A> pj = splat(p[j]);
+      for (int64_t k = 0; k < kUnroll; ++k) blk[k] += pj * K::vload(x[j] + i + k * w);
+    }
+    for (int64_t k = 0; k < kUnroll; ++k) Plain<A>::vstore(dst + i + k * w, blk[k]);
+  }
+  for (; i < d; ++i) {
+    A v = rescale ? scale * dst[i] : A(0);
+    for (int64_t j = 0; j < count; ++j) v += p[j] * K::load(x[j][i]);
+    dst[i] = v;
+  }
+}
+
+// dst = factor * m (times gain, when given), converted to the storage format.
+template <class K, class A = typename K::acc>
+inline void store_row(typename K::raw* dst, const A* m, A factor, const A* gain, int64_t d) {
+  constexpr int64_t w = kWidth<A>;
+  int64_t i = 0;
+  for (; i + w <= d; i += w) {
+    Vec<A> v = splat(factor) * Plain<A>::vload(m + i);
+    K::vstore(dst + i, gain ? v * Plain<A>::vload(gain + i) : v);
+  }
+  for (; i < d; ++i) dst[i] = K::store(factor * m[i] * (gain ? gain[i] : A(1)));
+}
+
+template <class K, class A = typename K::acc>
+inline void load_row(A* dst, const typename K::raw* src, int64_t d) {
+  constexpr int64_t w = kWidth<A>;
+  int64_t i = 0;
+  for (; i + w <= d; i += w) Plain<A>::vstore(dst + i, K::vload(src + i));
+  for (; i < d; ++i) dst[i] = K::load(src[i]);
+}
+
+template <class A>
+inline A sum_squares(const A* m, int64_t d) {
+  Vec<A> scratch[4];
+  A sq, unused;
+  dot2_rows<Plain<A>, true>(&m, 1, nullptr, m, d, scratch, &sq, &unused);
+  return sq;
+}
+
+template <class A>
+inline A rsqrt(A v) {
+  return A(1) / std::sqrt(v);
+}
+
+inline int64_t grain_size(int64_t n_src, int64_t d) {  // tokens per task: enough work to be worth a thread
+  return std::max<int64_t>(1, (int64_t(1) << 16) / (n_src * d));
+}
+
+// Bytes of source rows that one token keeps hot between its passes: half of a typical 512 KiB - 2 MiB L2.
+constexpr int64_t kHotBytes = 256 * 1024;
+
+template <class K>
+void forward_kernel(const std::vector<const typename K::raw*>& src, const typename K::acc* c,
+                    const typename K::acc* out_w, double eps, double out_eps, int64_t n_tok, int64_t d,
+                    typename K::raw* out, typename K::acc* weights, typename K::acc* rstd) {
+  using A = typename K::acc;
+  using R = typename K::raw;
+  const int64_t n_src = int64_t(src.size());
+  const int64_t group = std::clamp<int64_t>(kHotBytes / (d * int64_t(sizeof(R))), 1, n_src);
+  at::parallel_for(0, n_tok, grain_size(n_src, d), [&](int64_t begin, int64_t end) {
+    std::vector<A> acc(d), score(n_src), sq(n_src), xc(n_src), p(n_src);
+    std::vector<Vec<A>> scratch(4 * n_src);
+    std::vector<const R*> x(n_src);
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t j = 0; j < n_src; ++j) x[j] = src[j] + n * d;
+      A mx = -std::numeric_limits<A>::infinity(), z = 0;  // running max of the scores, sum of exp(score - mx)
+      for (int64_t g0 = 0; g0 < n_src; g0 += group) {
+        const int64_t g1 = std::min(n_src, g0 + group);
+        dot2_rows<K, true>(x.data() + g0, g1 - g0, nullptr, c, d, scratch.data(), sq.data() + g0, xc.data() + g0);
+        A group_mx = -std::numeric_limits<A>::infinity();
+        for (int64_t j = g0; j < g1; ++j) {
+          const A r = rsqrt(sq[j] / A(d) + A(eps));
+          rstd[j * n_tok + n] = r;
+          score[j] = xc[j] * r;
+          group_mx = std::max(group_mx, score[j]);
+        }
+        const A new_mx = std::max(mx, group_mx);
+        const A scale = g0 == 0 ? A(0) : std::exp(mx - new_mx);  // rescales what earlier groups accumulated
+        z *= scale;
+        for (int64_t j = g0; j < g1; ++j) z += p[j] = std::exp(score[j] - new_mx);
+        mix_rows<K>(x.data() + g0, p.data() + g0, g1 - g0, g0 > 0, scale, d, acc.data());
+        mx = new_mx;
+      }
+      const A inv_z = A(1) / z;
+      for (int64_t j = 0; j < n_src; ++j) weights[j * n_tok + n] = std::exp(score[j] - mx) * inv_z;
+      A factor = inv_z;
+      if (out_w != nullptr) factor *= rsqrt(sum_squares(acc.data(), d) * inv_z * inv_z / A(d) + A(out_eps));
+      store_row<K>(out + n * d, acc.data(), factor, out_w, d);
+    }
+  });
+}
+
+template <class K>
+void backward_kernel(const typename K::raw* grad_out, const typename K::acc* grad_weights,
+                     const std::vector<const typename K::raw*>& src, const typename K::acc* c,
+                     const typename K::acc* out_w, const typename K::acc* weights, const typename K::acc* rstd,
+                     double out_eps, int64_t n_tok, int64_t d, const std::vector<typename K::raw*>& grads,
+                     typename K::acc* dc, typename K::acc* d_out_w) {
+  using A = typename K::acc;
+  using R = typename K::raw;
+  using P = Plain<A>;
+  constexpr int64_t w = kWidth<A>, block = kUnroll * w;
+  const int64_t n_src = int64_t(src.size());
+  // per-thread partial sums of dc and d_out_w, added up in thread order after the loop (deterministic)
+  const int64_t n_threads = at::get_num_threads();
+  std::vector<A> dc_part(n_threads * d, A(0)), dw_part(out_w ? n_threads * d : 0, A(0));
+  at::parallel_for(0, n_tok, grain_size(n_src, d), [&](int64_t begin, int64_t end) {
+    A* dc_acc = dc_part.data() + at::get_thread_num() * d;
+    A* dw_acc = out_w ? dw_part.data() + at::get_thread_num() * d : nullptr;
+    std::vector<A> dm(d), mix(out_w ? d : 0), alpha(n_src), xc(n_src), coef(n_src), shrink(n_src);
+    std::vector<Vec<A>> scratch(4 * n_src);
+    std::vector<const R*> x(n_src);
+    std::vector<R*> dx(n_src);
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t j = 0; j < n_src; ++j) {
+        x[j] = src[j] + n * d, dx[j] = grads[j] + n * d;
+        alpha[j] = weights[j * n_tok + n];
+      }
+      load_row<K>(dm.data(), grad_out + n * d, d);
+      if (out_w != nullptr) {  // backward of the output norm: dm becomes the gradient reaching the mixture
+        mix_rows<K>(x.data(), alpha.data(), n_src, false, A(0), d, mix.data());
+        const A r = rsqrt(sum_squares(mix.data(), d) / A(d) + A(out_eps));
+        A am = 0;
+        for (int64_t i = 0; i < d; ++i) {
+          dw_acc[i] += dm[i] * mix[i] * r;
+          am += dm[i] * out_w[i] * mix[i];
+        }
+        const A k = r * r * r * am / A(d);
+        for (int64_t i = 0; i < d; ++i) dm[i] = r * dm[i] * out_w[i] - k * mix[i];
+      }
+      // softmax backward: ds_j = alpha_j (g_j - sum_k alpha_k g_k), g_j = dm . x_j (+ the weights' own gradient)
+      dot2_rows<K>(x.data(), n_src, c, dm.data(), d, scratch.data(), xc.data(), coef.data());  // coef: g_j for now
+      A delta = 0;
+      for (int64_t j = 0; j < n_src; ++j) {
+        if (grad_weights) coef[j] += grad_weights[j * n_tok + n];
+        delta += alpha[j] * coef[j];
+      }
+      for (int64_t j = 0; j < n_src; ++j) {
+        const A r = rstd[j * n_tok + n];
+        coef[j] = alpha[j] * (coef[j] - delta) * r;     // the gradient reaching c . x_j
+        shrink[j] = coef[j] * (xc[j] * r) * r / A(d);  // ... and reaching x_j through its rstd
+      }
+      // dx_j = alpha_j dm + coef_j c - shrink_j x_j and dc += coef_j x_j, one block of d at a time: the blocks of
+      // dm, c and dc stay in registers across the R rows
+      int64_t i = 0;
+      for (; i + block <= d; i += block) {
+        Vec<A> dmv[kUnroll], cv[kUnroll], dcv[kUnroll] = {};
+        for (int64_t k = 0; k < kUnroll; ++k) dmv[k] = P::vload(dm.data() + i + k * w), cv[k] = P::vload(c + i + k * w);
+        for (int64_t j = 0; j < n_src; ++j) {
+          const Vec<A> a = splat(alpha[j]), cj = splat(coef[j]), sj = splat(shrink[j]);
+          for (int64_t k = 0; k < kUnroll; ++k) {
+            const Vec<A> xv = K::vload(x[j] + i + k * w);
+            K::vstore(dx[j] + i + k * w, a * dmv[k] + cj * cv[k] - sj * xv);
+            dcv[k] += cj * xv;
+          }
+        }
+        for (int64_t k = 0; k < kUnroll; ++k) P::vstore(dc_acc + i + k * w, P::vload(dc_acc + i + k * w) + dcv[k]);
+      }
+      for (; i < d; ++i) {
+        for (int64_t j = 0; j < n_src; ++j) {
+          const A xv = K::load(x[j][i]);
+          dx[j][i] = K::store(alpha[j] * dm[i] + coef[j] * c[i] - shrink[j] * xv);
+          dc_acc[i] += coef[j] * xv;
+        }
+      }
+    }
+  });
+  for (int64_t t = 0; t < n_threads; ++t) {
+    for (int64_t i = 0; i < d; ++i) dc[i] += dc_part[t * d + i];
+    if (out_w != nullptr)
+      for (int64_t i = 0; i < d; ++i) d_out_w[i] += dw_part[t * d + i];
+  }
+}
+
+// Calls f(K{}) with the storage format of `dtype`.
+template <class F>
+void dispatch(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat: return f(F32{});
+    case at::kDouble: return f(F64{});
+    case at::kBFloat16: return f(BF16{});
+    case at::kHalf: return f(F16{});
+    default: TORCH_CHECK(false, "attnres_cpu: unsupported source dtype ", dtype);
+  }
+}
+
+// Host side: inputs are brought to the layout the kernels read (contiguous rows; vectors and [R, N] rows in the
+// accumulator dtype; copies only where the caller's tensors differ). The Python layer has validated shapes.
+struct Problem {
+  std::vector<at::Tensor> sources;  // R contiguous [..., d]
+  at::ScalarType dtype, acc;
+  int64_t n_src, n_tok, d;
+  std::vector<int64_t> row_shape;  // [R, ...]: the shape of weights and rstd
+
+  explicit Problem(at::TensorList xs) : n_src(int64_t(xs.size())) {
+    TORCH_CHECK(n_src > 0 && xs[0].dim() > 0 && xs[0].size(-1) > 0, "attnres_cpu: expected sources [..., d], d >= 1");
+    for (const auto& x : xs) {
+      TORCH_CHECK(x.device().is_cpu() && x.sizes() == xs[0].sizes() && x.scalar_type() == xs[0].scalar_type(),
+                  "attnres_cpu: sources must be CPU tensors of one shape and dtype");
+      sources.push_back(x.contiguous());
+    }
+    dtype = xs[0].scalar_type();
+    acc = dtype == at::kDouble ? at::kDouble : at::kFloat;
+    d = xs[0].size(-1);
+    n_tok = xs[0].numel() / d;
+    row_shape = {n_src};
+    for (int64_t i = 0; i + 1 < xs[0].dim(); ++i) row_shape.push_back(xs[0].size(i));
+  }
+
+  at::Tensor vector(const at::Tensor& t) const {  // [d] in the accumulator dtype
+    TORCH_CHECK(t.device().is_cpu() && t.numel() == d, "attnres_cpu: expected a CPU vector of ", d, " elements");
+    return t.reshape({d}).to(acc).contiguous();
+  }
+  at::Tensor rows(const at::Tensor& t) const {  // [R, ...] in the accumulator dtype
+    TORCH_CHECK(t.device().is_cpu() && t.numel() == n_src * n_tok, "attnres_cpu: expected CPU rows of R * N = ",
+                n_src * n_tok, " elements");
+    return t.to(acc).contiguous();
+  }
+  template <class T>
+  std::vector<T> pointers(const std::vector<at::Tensor>& ts) const {
+    std::vector<T> out;
+    for (const auto& t : ts) out.push_back(static_cast<T>(t.data_ptr()));
+    return out;
+  }
+};
+
+// A new output of the size of the sources. Large ones are backed by transparent huge pages where the kernel
+// allows it (Linux, THP "madvise" or "always"): the kernel writes outputs of hundreds of MiB into freshly mapped
+// memory, and faulting that in 4 KiB pages costs more than the writes themselves. torch does the same for all
+// its allocations under THP_MEM_ALLOC_ENABLE=1.
+at::Tensor new_output(const at::Tensor& like) {
+  auto t = at::empty(like.sizes(), like.options().memory_format(at::MemoryFormat::Contiguous));
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t huge = uintptr_t(2) << 20;
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t first = (begin + huge - 1) & ~(huge - 1), last = (begin + t.nbytes()) & ~(huge - 1);
+  if (last >= first + 2 * huge) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+#endif
+  return t;
+}
+
+template <class A>
+const A* data_or_null(const std::optional<at::Tensor>& t) {
+  return t ? t->data_ptr<A>() : nullptr;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd(
+    at::TensorList sources, const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight, double eps,
+    double out_eps) {
+  Problem p(sources);
+  auto cv = p.vector(c);
+  auto out_w = out_norm_weight ? std::optional(p.vector(*out_norm_weight)) : std::nullopt;
+  auto out = new_output(p.sources[0]);
+  auto weights = at::empty(p.row_shape, cv.options());
+  auto rstd = at::empty(p.row_shape, cv.options());
+  dispatch(p.dtype, [&](auto k) {
+    using K = decltype(k);
+    using A = typename K::acc;
+    forward_kernel<K>(p.pointers<const typename K::raw*>(p.sources), cv.data_ptr<A>(), data_or_null<A>(out_w), eps,
+                      out_eps, p.n_tok, p.d, static_cast<typename K::raw*>(out.data_ptr()), weights.data_ptr<A>(),
+                      rstd.data_ptr<A>());
+  });
+  return {out, weights, rstd};
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> depth_attention_bwd(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
+    const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& weights,
+    const at::Tensor& rstd, double out_eps) {
+  Problem p(sources);
+  TORCH_CHECK(grad_out.sizes() == sources[0].sizes(), "attnres_cpu: grad_out must have the sources' shape");
+  auto g = grad_out.to(p.dtype).contiguous();
+  auto gw = grad_weights ? std::optional(p.rows(*grad_weights)) : std::nullopt;
+  auto cv = p.vector(c);
+  auto out_w = out_norm_weight ? std::optional(p.vector(*out_norm_weight)) : std::nullopt;
+  auto w = p.rows(weights), r = p.rows(rstd);
+  std::vector<at::Tensor> grads;
+  for (int64_t j = 0; j < p.n_src; ++j) grads.push_back(new_output(p.sources[0]));
+  auto dc = at::zeros_like(cv);
+  auto d_out_w = at::zeros_like(cv);
+  dispatch(p.dtype, [&](auto k) {
+    using K = decltype(k);
+    using A = typename K::acc;
+    backward_kernel<K>(static_cast<const typename K::raw*>(g.data_ptr()), data_or_null<A>(gw),
+                       p.pointers<const typename K::raw*>(p.sources), cv.data_ptr<A>(), data_or_null<A>(out_w),
+                       w.data_ptr<A>(), r.data_ptr<A>(), out_eps, p.n_tok, p.d,
+                       p.pointers<typename K::raw*>(grads), dc.data_ptr<A>(), d_out_w.data_ptr<A>());
+  });
+  return {grads, dc, d_out_w};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attnres_cpu, m) {
+  m.def("depth_attention_fwd(Tensor[] sources, Tensor c, Tensor? out_norm_weight, float eps, float out_eps)"
+        " -> (Tensor, Tensor, Tensor)");
+  m.def("depth_attention_bwd(Tensor grad_out, Tensor? grad_weights, Tensor[] sources, Tensor c,"
+        " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps) -> (Tensor[], Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
+  m.impl("depth_attention_fwd", &depth_attention_fwd);
+  m.impl("depth_attention_bwd", &depth_attention_bwd);
+}

@@ -1,0 +1,181 @@
+"""Benchmark of the CPU fast path of the depth-attention operator, against the torch path and `torch.sum`.
+
+In one process: the machine's copy bandwidth (a large `copy_` into memory already touched), then for each dtype
+the forward and the forward+backward of the compiled kernel (`attnres.ops.cpu`) and of the portable torch path,
+and `torch.sum` over the same sources stacked (the cost of the plain residual sum: it reads the same bytes). The
+cases run round-robin, one call each per round, so that a change in the machine's load hits all of them alike;
+times are medians over the rounds. Effective GB/s use the bytes model of DESIGN section 8: every source read
+once and the output written once; the backward reads the sources and the output gradient and writes one gradient
+per source. The peak extra memory of a forward is what it allocates through torch beyond its outputs, from the
+profiler's allocation events (the compiled kernel's own scratch is not a torch allocation: by analysis it is one
+d-long fp32 row and about 8R fp32 values per thread).
+
+Fresh outputs of hundreds of MiB cost page faults as well as writes. The kernel asks for transparent huge pages
+for its outputs; torch does so for all of its allocations under THP_MEM_ALLOC_ENABLE=1, so run once with and
+once without it to see how much of a difference is page faults.
+
+    python benchmarks/bench_cpu.py                        # R=9, T=4096, d=2048, fp32 and bf16
+    THP_MEM_ALLOC_ENABLE=1 python benchmarks/bench_cpu.py --repeats 15 --json cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from attnres.ops import cpu
+from attnres.ops.depth_attention import torch_depth_attention_bwd, torch_depth_attention_fwd
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EPS = 1e-6
+
+
+class Case:
+    """One timed call, the bytes it moves by the bytes model, and how many rounds it takes part in."""
+
+    def __init__(self, fn: Callable[[], object], nbytes: int, rounds: int):
+        self.fn, self.nbytes, self.rounds, self.seconds = fn, nbytes, rounds, []
+
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def run_rounds(cases: dict[str, Case]) -> None:
+    for case in cases.values():  # warm-up: first-touch of inputs, lazy initialisation
+        case.fn()
+    for r in range(max(c.rounds for c in cases.values())):
+        for case in cases.values():
+            if r < case.rounds:
+                start = time.perf_counter()
+                case.fn()
+                case.seconds.append(time.perf_counter() - start)
+
+
+def peak_extra_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes that `fn` holds allocated through torch beyond the tensors it returns."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak - sum(t.nbytes for t in result)
+
+
+def dtype_cases(dtype: torch.dtype, args: argparse.Namespace) -> tuple[dict[str, Case], dict[str, Callable]]:
+    """The timed cases of one dtype, and the forwards whose memory is measured."""
+    R, T, d = args.sources, args.tokens, args.dim
+    e = torch.finfo(dtype).bits // 8
+    sources = [torch.randn(T, d).to(dtype) for _ in range(R)]
+    stacked = torch.stack(sources)
+    c = torch.randn(d) / d**0.5
+    grad_out = torch.randn(T, d).to(dtype)
+
+    def fwd(impl):
+        return lambda: impl(sources, c, None, EPS, EPS)
+
+    def fwd_bwd(impl_fwd, impl_bwd):
+        def run():
+            _, weights, rstd = impl_fwd(sources, c, None, EPS, EPS)
+            return impl_bwd(grad_out, None, sources, c, None, weights, rstd, EPS, EPS)
+
+        return run
+
+    fwd_bytes = (R + 1) * T * d * e
+    both_bytes = fwd_bytes + (2 * R + 1) * T * d * e
+    fast_fwd, torch_fwd = fwd(cpu.cpu_depth_attention_fwd), fwd(torch_depth_attention_fwd)
+    fast_both = fwd_bwd(cpu.cpu_depth_attention_fwd, cpu.cpu_depth_attention_bwd)
+    torch_both = fwd_bwd(torch_depth_attention_fwd, torch_depth_attention_bwd)
+    cases = {
+        "torch.sum": Case(lambda: torch.sum(stacked, 0), fwd_bytes, args.repeats),
+        "fast fwd": Case(fast_fwd, fwd_bytes, args.repeats),
+        "fast fwd+bwd": Case(fast_both, both_bytes, args.repeats),
+        "torch fwd": Case(torch_fwd, fwd_bytes, args.torch_repeats),
+        "torch fwd+bwd": Case(torch_both, both_bytes, args.torch_repeats),
+    }
+    return cases, {"fast fwd": fast_fwd, "torch fwd": torch_fwd}
+
+
+def summarise(cases: dict[str, Case], forwards: dict[str, Callable], copy: Case) -> dict:
+    bandwidth = copy.nbytes / copy.median()
+    rows = {}
+    for name, case in cases.items():
+        seconds = case.median()
+        gbps = case.nbytes / seconds
+        rows[name] = {"ms": seconds * 1e3, "GB/s": gbps / 1e9, "of_copy": gbps / bandwidth}
+    for name in ("fast fwd", "torch fwd"):
+        rows[name]["vs_sum"] = rows[name]["ms"] / rows["torch.sum"]["ms"]
+        rows[name]["peak_extra_MiB"] = peak_extra_bytes(forwards[name]) / 2**20
+    for name in ("fast fwd", "fast fwd+bwd"):
+        rows[name]["vs_torch"] = rows[name]["ms"] / rows[name.replace("fast", "torch")]["ms"]
+    return {"copy_GB/s": bandwidth / 1e9, "cases": rows}
+
+
+def print_table(name: str, result: dict, args: argparse.Namespace) -> None:
+    buffer_mib = args.tokens * args.dim * 4 / 2**20
+    print(
+        f"\n{name}: R={args.sources} T={args.tokens} d={args.dim}, copy {result['copy_GB/s']:.1f} GB/s "
+        f"(one [T, d] fp32 buffer = {buffer_mib:.1f} MiB)"
+    )
+    print(f"{'case':<15}{'ms':>9}{'GB/s':>8}{'of copy':>9}{'vs sum':>8}{'vs torch':>9}{'extra MiB':>11}")
+    for case, r in result["cases"].items():
+        cells = [f"{r[k]:.2f}" if k in r else "" for k in ("vs_sum", "vs_torch", "peak_extra_MiB")]
+        print(f"{case:<15}{r['ms']:>9.1f}{r['GB/s']:>8.1f}{r['of_copy']:>9.0%}{cells[0]:>8}{cells[1]:>9}{cells[2]:>11}")
+
+
+def write_json(path: Path, results: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(results, f, indent=2)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sources", type=int, default=9, help="R, the number of sources (default 9)")
+    parser.add_argument("--tokens", type=int, default=4096, help="T, tokens (default 4096)")
+    parser.add_argument("--dim", type=int, default=2048, help="d, model width (default 2048)")
+    parser.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, from {','.join(DTYPES)}")
+    parser.add_argument("--repeats", type=int, default=11, help="rounds; the median is reported (default 11)")
+    parser.add_argument("--torch-repeats", type=int, default=3, help="rounds of the slow torch path (default 3)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    args = parser.parse_args()
+    names = args.dtypes.split(",")
+    if unknown := [n for n in names if n not in DTYPES]:
+        parser.error(f"--dtypes: unknown {unknown}, expected names from {list(DTYPES)}")
+    if min(args.sources, args.tokens, args.dim, args.repeats, args.torch_repeats) < 1:
+        parser.error("--sources, --tokens, --dim, --repeats and --torch-repeats must be at least 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if not cpu.available():
+        parser.exit(1, "the compiled CPU kernel is not available (see the log above); nothing to compare\n")
+
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
+    print(f"threads {torch.get_num_threads()}, THP_MEM_ALLOC_ENABLE={thp}")
+    results = {"threads": torch.get_num_threads(), "THP_MEM_ALLOC_ENABLE": thp}
+    results["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    copy_src = torch.ones(args.sources * args.tokens * args.dim)
+    copy_dst = torch.zeros_like(copy_src)
+    for name in names:
+        cases, forwards = dtype_cases(DTYPES[name], args)
+        copy = Case(lambda: copy_dst.copy_(copy_src), 2 * copy_src.nbytes, args.repeats)  # read + write
+        run_rounds({"copy": copy, **cases})
+        results[name] = summarise(cases, forwards, copy)
+        print_table(name, results[name], args)
+    if args.json is not None:
+        write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""The compiled CPU kernel (`attnres.ops.cpu`): its forward and backward against the torch path of the same
+custom-op contract run in fp64 (the oracle), and end to end through `attnres.depth_attention` against the twin.
+
+The kernel is built once per machine (cached); its build failing is a test failure, not a skip, unless the kernel
+is switched off with ATTNRES_DISABLE_CPU_KERNEL=1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnres
+from attnres.ops import backends, cpu
+from attnres.ops.cpu import build
+from attnres.ops.depth_attention import torch_depth_attention_bwd, torch_depth_attention_fwd
+
+pytestmark = pytest.mark.skipif(cpu.disabled(), reason=f"{cpu.DISABLE_ENV} is set")
+
+EPS, OUT_EPS = 1e-6, 1e-5
+# error bound against the fp64 oracle, relative to the tensor's largest entry: fp32 math, and low-precision results
+# rounded once (half an ulp, plus the rounding of the inputs' own gradient for the backward); fp64 leaves room for
+# the cancellation in the softmax backward over rows of 40000 elements, and is still far from any fp32 error
+TOL = {torch.float64: 1e-10, torch.float32: 2e-6, torch.bfloat16: 2**-8, torch.float16: 2**-11}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    assert cpu.available(), "the CPU kernel failed to build or load; the reason is in the log"
+
+
+def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    """Max abs error at most tol times the largest magnitude of `expected` (per tensor, so tiny entries don't rule)."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = actual.double(), expected.double()
+    err = (a - e).abs().max().item() if e.numel() else 0.0
+    scale = e.abs().max().item() if e.numel() else 0.0
+    assert err <= tol * max(scale, 1e-30), f"{what}: max error {err:.3g} vs scale {scale:.3g} (tol {tol:g})"
+
+
+def make_case(n_src, lead, d, dtype, out_norm, with_grad_weights, score_scale=1.0):
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    sources = [(torch.randn(*lead, d, dtype=acc) * (0.5 + j)).to(dtype) for j in range(n_src)]
+    c = torch.randn(d, dtype=acc) * score_scale / d**0.5
+    out_w = torch.randn(d, dtype=acc) if out_norm else None
+    grad_out = torch.randn(*lead, d, dtype=acc).to(dtype)
+    grad_weights = torch.randn(n_src, *lead, dtype=acc) if with_grad_weights else None
+    return sources, c, out_w, grad_out, grad_weights
+
+
+def check_against_oracle(sources, c, out_w, grad_out, grad_weights):
+    """The kernel's forward and backward against the torch path run in fp64 on the same (rounded) inputs."""
+    dtype, acc = sources[0].dtype, c.dtype
+    up = [None if t is None else t.double() for t in (c, out_w, grad_out, grad_weights)]
+    c64, out_w64, grad_out64, grad_weights64 = up
+    sources64 = [x.double() for x in sources]
+
+    fast = cpu.cpu_depth_attention_fwd(sources, c, out_w, EPS, OUT_EPS)
+    ref = torch_depth_attention_fwd(sources64, c64, out_w64, EPS, OUT_EPS)
+    assert [t.dtype for t in fast] == [dtype, acc, acc]
+    for name, a, e in zip(("out", "weights", "rstd"), fast, ref):
+        assert_close_rel(a, e, TOL[dtype] if name == "out" else TOL[acc], name)
+
+    _, weights, rstd = fast
+    grads, dc, d_out_w = cpu.cpu_depth_attention_bwd(
+        grad_out, grad_weights, sources, c, out_w, weights, rstd, EPS, OUT_EPS
+    )
+    _, weights64, rstd64 = ref
+    ref_grads, ref_dc, ref_d_out_w = torch_depth_attention_bwd(
+        grad_out64, grad_weights64, sources64, c64, out_w64, weights64, rstd64, EPS, OUT_EPS
+    )
+    assert len(grads) == len(sources) and all(g.dtype == dtype for g in grads)
+    assert dc.dtype == d_out_w.dtype == acc
+    # one scale for all sources: a source with a tiny weight has a tiny gradient, whose own scale says nothing
+    assert_close_rel(torch.stack(grads), torch.stack(ref_grads), TOL[dtype], "grads of the sources")
+    assert_close_rel(dc, ref_dc, TOL[acc], "grad of c")
+    assert_close_rel(d_out_w, ref_d_out_w, TOL[acc], "grad of out_norm_weight")
+
+
+CASES = {
+    # single-axis stress
+    "R9-T37-d67-fp32": (9, (37,), 67, torch.float32, False, False),  # d not a multiple of the vector width
+    "R1-T1-d5-fp32-outnorm-gw": (1, (1,), 5, torch.float32, True, True),  # one source gives itself back
+    "R2-T0-d8-fp32": (2, (0,), 8, torch.float32, True, True),  # no tokens at all
+    "R4-T16-d64-bf16": (4, (16,), 64, torch.bfloat16, False, False),
+    "R3-T9-d33-fp16-gw": (3, (9,), 33, torch.float16, False, True),
+    "R5-T7-d31-fp64-outnorm": (5, (7,), 31, torch.float64, True, False),
+    # multi-axis stress
+    "R9-B2xT50-d1000-bf16-outnorm-gw": (9, (2, 50), 1000, torch.bfloat16, True, True),
+    "R17-B3xT5-d129-fp32-outnorm-gw": (17, (3, 5), 129, torch.float32, True, True),
+    # rows too long to keep a token's sources in L2 together: groups of one row, merged by the online softmax
+    "R3-T2-d40000-fp32-outnorm-gw": (3, (2,), 40000, torch.float32, True, True),
+    "R4-T2-d70001-bf16": (4, (2,), 70001, torch.bfloat16, False, False),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_fp64_oracle(case):
+    check_against_oracle(*make_case(*case))
+
+
+def aligned_sources(dtype, score_scale, order, d=40):
+    """Sources whose scores grow (or shrink) from one to the next, so the running max moves at every source."""
+    sources, c, out_w, grad_out, grad_weights = make_case(6, (11,), d, dtype, False, True, score_scale)
+    steps = range(6) if order == "ascending" else reversed(range(6))
+    return [x + k * c.sign().to(dtype) for x, k in zip(sources, steps)], c, out_w, grad_out, grad_weights
+
+
+@pytest.mark.parametrize("d", [40, 40000], ids=["one-group", "row-groups"])
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+def test_peaked_scores_match_oracle(order, d):
+    """Scores beyond exp's range (|s| ~ 100), in fp64 so that the rounding of the scores is no issue; with long
+    rows every source is its own group, so the running max and the rescaling move from group to group."""
+    check_against_oracle(*aligned_sources(torch.float64, 30.0 * (40 / d) ** 0.5, order, d))  # same |s| for any d
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+def test_saturated_scores_pick_the_top_source(order):
+    """At saturation the weights are exactly one-hot: the output is the top source, which alone gets grad_out."""
+    sources, c, out_w, grad_out, grad_weights = aligned_sources(torch.float32, 1e5, order)
+    out, weights, rstd = cpu.cpu_depth_attention_fwd(sources, c, out_w, EPS, OUT_EPS)
+    top, tokens = weights.argmax(0), torch.arange(11)
+    one_hot = torch.zeros_like(weights)
+    one_hot[top, tokens] = 1
+    assert torch.equal(weights, one_hot)
+    assert torch.equal(out, torch.stack(sources)[top, tokens])
+    grads, dc, _ = cpu.cpu_depth_attention_bwd(grad_out, grad_weights, sources, c, out_w, weights, rstd, EPS, OUT_EPS)
+    assert torch.equal(torch.stack(grads), one_hot.unsqueeze(-1) * grad_out)
+    assert torch.equal(dc, torch.zeros_like(dc))
+
+
+def test_non_contiguous_inputs_give_the_contiguous_result():
+    sources, c, out_w, grad_out, grad_weights = make_case(4, (6,), 24, torch.bfloat16, True, True)
+    # every other row of an interleave, or column-major
+    strided = [torch.stack([x, x], dim=1)[:, 1] if j % 2 else x.t().contiguous().t() for j, x in enumerate(sources)]
+    assert not any(x.is_contiguous() for x in strided)
+    expanded_grad = grad_out[:1].expand(6, 24)  # like the gradient of .sum(): stride 0
+    weights_grad = grad_weights.t().contiguous().t()
+    plain = cpu.cpu_depth_attention_fwd(sources, c, out_w, EPS, OUT_EPS)
+    odd = cpu.cpu_depth_attention_fwd(strided, c, out_w, EPS, OUT_EPS)
+    for a, e in zip(odd, plain):
+        assert torch.equal(a, e)
+    _, weights, rstd = plain
+    plain = cpu.cpu_depth_attention_bwd(
+        expanded_grad.contiguous(), grad_weights, sources, c, out_w, weights, rstd, EPS, OUT_EPS
+    )
+    odd = cpu.cpu_depth_attention_bwd(expanded_grad, weights_grad, strided, c, out_w, weights, rstd, EPS, OUT_EPS)
+    for a, e in zip(odd[0], plain[0]):
+        assert torch.equal(a, e)
+    assert torch.equal(odd[1], plain[1]) and torch.equal(odd[2], plain[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_public_op_routes_to_kernel_and_matches_twin(dtype, monkeypatch):
+    """End to end through `attnres.depth_attention`: the kernel serves it, and output and every gradient match
+    the autograd twin."""
+    monkeypatch.setenv(backends.BACKEND_ENV, "auto")
+    d = 48
+    leaves = [torch.randn(3, 7, d).to(dtype).requires_grad_() for _ in range(5)]
+    query = (torch.randn(d) / d**0.5).requires_grad_()
+    gain = (1 + 0.1 * torch.randn(d)).requires_grad_()
+    out_w = (1 + 0.1 * torch.randn(d)).requires_grad_()
+    grad = torch.randn(3, 7, d).to(dtype)
+    results = []
+    for fn in (attnres.depth_attention, attnres.naive_depth_attention):
+        out, weights = fn(leaves, query, gain, eps=EPS, out_norm_weight=out_w, out_eps=OUT_EPS, return_weights=True)
+        if fn is attnres.depth_attention:
+            assert backends.last_backend() == "cpu"
+        inputs = [*leaves, query, gain, out_w]
+        results.append([out, weights, *torch.autograd.grad((out.float() * grad.float()).sum(), inputs)])
+    names = ["out", "weights"] + [f"grad source {j}" for j in range(5)] + ["grad query", "grad gain", "grad out_w"]
+    for name, a, e in zip(names, *results):
+        assert a.dtype == e.dtype, name
+        assert_close_rel(a, e, TOL[a.dtype], name)  # both compute in fp32 from the same inputs
+
+
+def test_disable_switch(monkeypatch):
+    monkeypatch.setenv(cpu.DISABLE_ENV, "1")
+    assert cpu.disabled() and not cpu.available()
+    monkeypatch.setenv(cpu.DISABLE_ENV, "0")
+    assert cpu.available()
+
+
+def test_failed_build_raises_with_the_compiler_output(monkeypatch, tmp_path):
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    with pytest.raises(RuntimeError, match="compiling depth_attention.cpp failed"):
+        build.build_library()
+    assert not list(tmp_path.glob("*.so")), "a failed build must leave no library behind"
