@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
+from attnres.distributed.data_parallel import PARALLEL
 from attnres.training.config import AUTOCAST, DEVICES, RESIDUALS, TrainConfig
 from attnres.training.optim import SCHEDULES
 
@@ -77,6 +79,14 @@ def register(sub) -> None:
                    help="CPU threads for torch (default: torch's own choice). On a machine whose cores other jobs "
                    "share, 1 can be many times faster than 2")
 
+    dp = p.add_argument_group("distributed (launch with torchrun)")
+    dp.add_argument("--parallel", choices=PARALLEL, default=DEFAULTS["parallel"],
+                    help="ddp: DistributedDataParallel; fsdp: FSDP2 (fully_shard per decoder layer). Run under "
+                    "`torchrun --nproc-per-node N`; --batch-size is the global batch, split over the N ranks; rank 0 "
+                    "logs and checkpoints (default: %(default)s)")
+    dp.add_argument("--dist-timeout", type=float, default=DEFAULTS["dist_timeout"],
+                    help="seconds a collective waits for the other ranks before the run fails (default: %(default)s)")
+
     r = p.add_argument_group("run folder")
     r.add_argument("--out", default=None, help="run folder (default: runs/<residual>-L<layers>-d<dim>-s<seed>)")
     r.add_argument("--resume", action="store_true",
@@ -105,6 +115,7 @@ def config_from_args(args) -> TrainConfig:
 
 
 def run(args) -> int:
+    from attnres.distributed import RankFailed
     from attnres.training import TrainingDiverged, train
 
     try:
@@ -112,9 +123,11 @@ def run(args) -> int:
     except ValueError as e:
         print(f"attnres train: error: {e}", file=sys.stderr)
         return 2
-    except TrainingDiverged as e:
+    except (TrainingDiverged, RankFailed) as e:
         print(f"attnres train: {e}", file=sys.stderr)
         return 1
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 alone reports
+        return 0
     print(
         f"{result.run_dir}: {result.steps} steps, val loss {result.final_val_loss:.4f}, "
         f"{result.num_params:,} parameters, {result.tokens_per_s:,.0f} tokens/s"

@@ -6,6 +6,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from attnres.distributed.data_parallel import DEFAULT_TIMEOUT_S, PARALLEL
 from attnres.training.optim import SCHEDULES
 
 RESIDUALS = ("standard", "full", "block")
@@ -15,7 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # settings that may change when a run is resumed: they do not change the parameters it ends with
 RESUMABLE_CHANGES = frozenset(
     {"resume", "stop_after", "progress", "log_interval", "eval_interval", "checkpoint_interval", "keep_checkpoints",
-     "allow_download", "out", "overwrite", "device", "threads"}
+     "allow_download", "out", "overwrite", "device", "threads", "dist_timeout"}
 )
 
 
@@ -56,6 +57,8 @@ class TrainConfig:
     autocast: str = "auto"  # "auto": bf16 on CUDA, off on CPU (measured slower there); "off"; "bf16"
     device: str = "auto"
     threads: int | None = None  # CPU threads for torch (torch.set_num_threads, process-wide); None: torch's default
+    parallel: str = "none"  # "ddp" or "fsdp" under torchrun: `batch_size` is the global batch, split over the ranks
+    dist_timeout: float = DEFAULT_TIMEOUT_S  # seconds a collective waits for the other ranks before the run fails
     # run folder, logs, checkpoints
     out: str | None = None  # None: runs/<residual>-L<layers>-d<dim>-s<seed>
     resume: bool = False  # continue the run in `out` from its latest checkpoint (start it if there is none)
@@ -82,6 +85,8 @@ class TrainConfig:
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("autocast", self.autocast, AUTOCAST)
         _check_choice("device", self.device, DEVICES)
+        _check_choice("parallel", self.parallel, PARALLEL)
+        _check_float("dist_timeout", self.dist_timeout, low=0, low_open=True)
         _check_float("lr", self.lr, low=0, low_open=True)
         _check_float("val_fraction", self.val_fraction, low=0, high=1, low_open=True, high_open=True)
         _check_float("min_lr_ratio", self.min_lr_ratio, low=0, high=1)

@@ -18,6 +18,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from attnres.distributed.data_parallel import (
+    RankFailed, barrier, checkpoint_state, end_ranks, init_ranks, load_optimizer_state, local_device, local_rows,
+    lost_rank_message, mean_over_ranks, on_main, parallelize,
+)
 from attnres.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from attnres.training.config import TrainConfig
 from attnres.training.data import WindowSampler, check_fits, eval_batches, load_tokenizer, read_corpus, tokenize_and_split
@@ -78,10 +82,36 @@ def train(config: TrainConfig, model: nn.Module | None = None) -> RunResult:
     mean next-token loss, labels shifted inside, as in transformers). Every setting and the data are checked
     before anything is written: bad ones raise ValueError naming the setting. A loss or gradient norm that
     becomes NaN or inf raises `TrainingDiverged`.
+
+    With `config.parallel` "ddp" or "fsdp" every rank of the process group (started from torchrun's environment
+    when none is) calls `train`; see `attnres.distributed.data_parallel`. A lost rank raises `RankFailed`.
     """
+    device = _resolve_device(config.device)
+    ranks = init_ranks(config.parallel, device, config.dist_timeout)
+    try:
+        return _train(config, model, ranks, local_device(device))
+    except RuntimeError as e:
+        if not ranks.distributed or isinstance(e, TrainingDiverged):
+            raise
+        if isinstance(e, RankFailed) or _is_collective_error(e):
+            message = str(e) if isinstance(e, RankFailed) else lost_rank_message("training", e)
+            raise RankFailed(f"{message} Resume from the last checkpoint with --resume.") from e
+        raise
+    finally:
+        end_ranks(ranks)
+
+
+def _is_collective_error(error: RuntimeError) -> bool:
+    """A failed collective: DDP's reducer raises the backend's error as a plain RuntimeError, not a DistError."""
+    import torch.distributed as dist
+
+    text = str(error).lower()
+    return isinstance(error, dist.DistError) or "gloo" in text or "nccl" in text
+
+
+def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.device) -> RunResult:
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    device = _resolve_device(config.device)
     autocast_dtype = _resolve_autocast(config.autocast, device)
     run_dir = Path(config.out or config.default_out())
     tokenizer = load_tokenizer(config.tokenizer, config.allow_download)
@@ -95,9 +125,13 @@ def train(config: TrainConfig, model: nn.Module | None = None) -> RunResult:
     data = {"corpus": corpus.description, "tokenizer": config.tokenizer, "vocab_size": tokenizer.vocab_size,
             "train_tokens": len(splits.train), "val_tokens": len(splits.val), "fingerprint": splits.fingerprint}
     run_info = describe_run(config, model, data, device, autocast_dtype)
-    prepare_run_dir(run_dir, config, run_info)
+    on_main(lambda: prepare_run_dir(run_dir, config, run_info), ranks)
 
     model.to(device).train()
+    checkpoints = run_dir / CHECKPOINTS
+    last = latest_checkpoint(checkpoints) if config.resume else None
+    state = load_checkpoint(last, model) if last is not None else None  # into the whole model, before sharding
+    trained = parallelize(model, config.parallel)  # what the training forward runs; `model` is the unwrapped one
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(
         model, lr=config.lr, weight_decay=config.weight_decay, attn_res_lr_mult=config.attn_res_lr_mult,
@@ -106,15 +140,12 @@ def train(config: TrainConfig, model: nn.Module | None = None) -> RunResult:
     sampler = WindowSampler(splits.train, config.seq_len, config.batch_size, config.seed)
     val_batches = [b.to(device) for b in eval_batches(splits.val, config.seq_len, config.batch_size, config.eval_batches)]
     autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
-    log = RunLog(run_dir)
-    checkpoints = run_dir / CHECKPOINTS
+    log = RunLog(run_dir) if ranks.is_main else _NoLog()
 
     step = 0
     if config.resume:
-        last = latest_checkpoint(checkpoints)
-        if last is not None:
-            state = load_checkpoint(last, model)
-            optimizer.load_state_dict(state["optimizer"])
+        if state is not None:
+            load_optimizer_state(model, optimizer, state["optimizer"], config.parallel)
             sampler.load_state_dict(state["sampler"])
             _set_rng_state(state["rng"])
             step = state["step"]
@@ -131,7 +162,8 @@ def train(config: TrainConfig, model: nn.Module | None = None) -> RunResult:
     tokens_per_step = config.batch_size * config.seq_len
     window, train_time, train_loss, postfix = _Window(), 0.0, math.nan, {}
     start = time.perf_counter()
-    bar = tqdm(total=config.steps, initial=step, disable=not config.progress, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=config.steps, initial=step, disable=not (config.progress and ranks.is_main), unit="step",
+               dynamic_ncols=True)
     try:
         while step < end:
             t0 = time.perf_counter()
@@ -139,12 +171,12 @@ def train(config: TrainConfig, model: nn.Module | None = None) -> RunResult:
                 step, steps=config.steps, warmup=config.warmup_steps, schedule=config.schedule,
                 min_lr_ratio=config.min_lr_ratio, decay_fraction=config.decay_fraction,
             ))
-            batch = sampler.next_batch().to(device)
+            batch = local_rows(sampler.next_batch(), ranks).to(device)  # every rank draws the same global batch
             with autocast:
-                loss = model(input_ids=batch, labels=batch).loss
+                loss = trained(input_ids=batch, labels=batch).loss
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip or math.inf)
-            loss_value, norm_value = loss.item(), grad_norm.item()
+            loss_value, norm_value = mean_over_ranks(loss, ranks), grad_norm.item()
             for what, value in (("loss", loss_value), ("gradient norm", norm_value)):
                 if not math.isfinite(value):  # checked before optimizer.step(): the weights stay those of `step`
                     log.write("diverged", step=step + 1, loss=loss_value, grad_norm=norm_value)
@@ -166,12 +198,14 @@ def train(config: TrainConfig, model: nn.Module | None = None) -> RunResult:
                 postfix["val"] = f"{val_history[-1][1]:.3f}"
             if step % config.checkpoint_interval == 0 or step == end:
                 _check_finite_weights(model, step, latest_checkpoint(checkpoints))  # only good weights are saved
-                state = {"optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(), "rng": _rng_state()}
-                save_checkpoint(checkpoints, step, model, state, keep=config.keep_checkpoints)
+                weights, optimizer_state = checkpoint_state(model, optimizer, config.parallel)  # fsdp: gathered
+                state = {"optimizer": optimizer_state, "sampler": sampler.state_dict(), "rng": _rng_state()}
+                on_main(lambda: save_checkpoint(checkpoints, step, weights, state, keep=config.keep_checkpoints), ranks)
             bar.set_postfix(postfix, refresh=False)
             bar.update(1)
     finally:
         bar.close()
+    barrier(ranks, "finishing")  # the last checkpoint is complete before any rank returns
 
     if not val_history:  # resumed a run that had already reached its end: report its last evaluation
         val_history = [(r["step"], r["val_loss"]) for r in read_log(run_dir, "eval") if r["step"] == step]
@@ -192,6 +226,16 @@ def _check_finite_weights(model: nn.Module, step: int, checkpoint: Path | None) 
     for name, p in model.named_parameters():
         if not torch.isfinite(p).all():
             raise TrainingDiverged(step, f"parameter {name}", "not finite", checkpoint)
+
+
+class _NoLog:
+    """The log of ranks other than 0: they write nothing."""
+
+    def write(self, kind: str, **fields) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
 
 
 class _Window:

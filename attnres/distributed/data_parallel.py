@@ -1,0 +1,204 @@
+"""Data parallel training on `torch.distributed`: one function per parallelism, applied to an unchanged model.
+
+`attnres train --parallel ddp` (or `fsdp`) under `torchrun --nproc-per-node N` runs N ranks. Every rank draws the
+same global batch from the same seeded sampler and keeps its own rows (`local_rows`), so the ranks see disjoint
+shards of one global batch and the run equals a 1-process run with that batch (the per-rank mean losses are over
+equal token counts, so their average is the global mean). Rank 0 alone logs, shows progress and writes checkpoints.
+
+A rank that fails makes the collectives of the others raise (its sockets close) or time out after
+`timeout_s`; `RankFailed` turns either into one clear error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+PARALLEL = ("none", "ddp", "fsdp")
+DEFAULT_TIMEOUT_S = 300.0
+
+T = TypeVar("T")
+
+
+class RankFailed(RuntimeError):
+    """A collective failed or timed out: another rank died, raised, or stopped answering."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process sits: `rank` of `world_size`; `owns_group`: it started the process group (so ends it)."""
+
+    rank: int = 0
+    world_size: int = 1
+    owns_group: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 or dist.is_initialized()
+
+
+def init_ranks(parallel: str, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ranks:
+    """Join the process group that `torchrun` (or a caller) describes; `parallel="none"`: a single process.
+
+    Uses an existing group if one is initialized; else reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the
+    environment (torchrun sets them) and starts one (gloo on CPU, nccl on CUDA) whose collectives time out after
+    `timeout_s` seconds.
+    """
+    if parallel not in PARALLEL:
+        raise ValueError(f"parallel: expected one of {', '.join(PARALLEL)}, got {parallel!r}")
+    if parallel == "none":
+        return Ranks()
+    if dist.is_initialized():
+        return Ranks(dist.get_rank(), dist.get_world_size())
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ValueError(
+            f"parallel={parallel!r}: expected a launch by torchrun (e.g. `torchrun --nproc-per-node 2 -m attnres.cli "
+            f"train --parallel {parallel}`); the environment lacks {', '.join(missing)}"
+        )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return Ranks(dist.get_rank(), dist.get_world_size(), owns_group=True)
+
+
+def local_device(device: torch.device) -> torch.device:
+    """This rank's CUDA device (LOCAL_RANK) when `device` is CUDA; `device` otherwise."""
+    if device.type != "cuda":
+        return device
+    local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(local)
+    return local
+
+
+def apply_ddp(model: nn.Module) -> nn.Module:
+    """`DistributedDataParallel` around `model`: gradients averaged over the ranks in backward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
+def apply_fsdp(model: nn.Module) -> nn.Module:
+    """FSDP2 (`fully_shard`) on the whole model: parameters, gradients and optimizer state sharded over the ranks,
+    gathered for the forward and again for the backward. Changes `model` in place and returns it.
+
+    One group for the whole model, not one per decoder layer: FSDP2 gathers a group again for backward from a hook
+    on its module's output tensors, and a decoder layer returns none (its output goes into the residual stream).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model)
+
+
+def parallelize(model: nn.Module, parallel: str) -> nn.Module:
+    """The module to train: `model` itself ("none"), wrapped ("ddp") or sharded in place ("fsdp")."""
+    return {"none": lambda m: m, "ddp": apply_ddp, "fsdp": apply_fsdp}[parallel](model)
+
+
+def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, parallel: str) -> tuple[object, dict]:
+    """(what `save_checkpoint` saves the weights of, the optimizer's state dict), both whole on rank 0.
+
+    Under FSDP this gathers the shards (a collective: every rank calls it) into full CPU tensors, and the optimizer
+    state is keyed by parameter name (`torch.distributed.checkpoint.state_dict`); otherwise both are the plain ones.
+    """
+    if parallel != "fsdp":
+        return model, optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = collective(lambda: get_model_state_dict(model, options=options), "gathering the weights")
+    optim = collective(lambda: get_optimizer_state_dict(model, optimizer, options=options), "gathering the optimizer")
+    # own storage per tensor (the gathered ones are views of one buffer); a tied parameter is saved once, by name
+    kept = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - kept
+    return _Weights({k: v.clone() for k, v in weights.items() if k not in aliases}), optim
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, parallel: str) -> None:
+    """Load what `checkpoint_state` saved (every rank reads the same full state; FSDP keeps its shard)."""
+    if parallel != "fsdp":
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+class _Weights:
+    """Full weights gathered from the shards, in the shape `safetensors.torch.save_model` reads: `.state_dict()`."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]):
+        self.weights = weights
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.weights
+
+
+def local_rows(batch: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """This rank's rows `[B / world, T]` of the global batch `[B, T]` (B must divide evenly)."""
+    if batch.shape[0] % ranks.world_size:
+        raise ValueError(f"batch_size: expected a multiple of the {ranks.world_size} ranks, got {batch.shape[0]}")
+    return batch.chunk(ranks.world_size)[ranks.rank]
+
+
+def mean_over_ranks(value: torch.Tensor, ranks: Ranks) -> float:
+    """The mean of a scalar over the ranks (every rank gets it)."""
+    value = value.detach().float().clone()
+    if ranks.world_size > 1:
+        collective(lambda: dist.all_reduce(value), "averaging the loss")  # gloo has no AVG: sum, then divide
+    return value.item() / ranks.world_size
+
+
+def on_main(fn: Callable[[], T], ranks: Ranks) -> T | None:
+    """Run `fn` on rank 0 only; a ValueError it raises is raised on every rank (so none waits for rank 0)."""
+    result, error = None, None
+    if ranks.is_main:
+        try:
+            result = fn()
+        except ValueError as e:
+            error = e
+    if ranks.world_size > 1:
+        message = [None if error is None else str(error)]
+        collective(lambda: dist.broadcast_object_list(message, src=0), "waiting for rank 0")
+        if message[0] is not None and error is None:
+            error = ValueError(message[0])
+    if error is not None:
+        raise error
+    return result
+
+
+def barrier(ranks: Ranks, what: str) -> None:
+    if ranks.world_size > 1:
+        collective(dist.barrier, what)
+
+
+def collective(fn: Callable[[], T], what: str) -> T:
+    """Call `fn`; a failure of the collective (a lost or silent rank) becomes `RankFailed`."""
+    try:
+        return fn()
+    except (dist.DistError, RuntimeError) as e:
+        raise RankFailed(lost_rank_message(what, e)) from e
+
+
+def lost_rank_message(what: str, error: BaseException) -> str:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return (
+        f"rank {rank}: a collective failed while {what}: another rank died, raised or stopped answering "
+        f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). See that rank's error."
+    )
+
+
+def end_ranks(ranks: Ranks) -> None:
+    """Leave the process group if this process started it."""
+    if ranks.owns_group and dist.is_initialized():
+        dist.destroy_process_group()

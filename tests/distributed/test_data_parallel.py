@@ -1,0 +1,60 @@
+"""DDP and FSDP2 training on 2 gloo ranks equals 1-process training with the same global batch, and resumes."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnres.training
+from attnres.distributed import Ranks, local_rows
+from attnres.training import TrainConfig, read_log, train
+
+DATA = str(Path(attnres.training.__file__).parent)  # a few source files: quicker to read than the stdlib walk
+
+
+def tiny(out, **overrides) -> TrainConfig:
+    settings = dict(
+        data=DATA, max_bytes=30_000, residual="block", block_size=1, layers=2, dim=16, heads=2, ffn=32,
+        seq_len=16, batch_size=4, steps=4, warmup=1, eval_interval=2, eval_batches=1, log_interval=1,
+        checkpoint_interval=100, out=str(out), progress=False, threads=1,
+    )
+    return TrainConfig(**{**settings, **overrides})
+
+
+def curve(run_dir, kind: str, field: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[field]) for r in read_log(run_dir, kind)]
+
+
+def stop_then_resume(rank: int, tmp: str) -> None:
+    """For each parallelism: train 2 of 4 steps (checkpointed), then resume to the end, as after a crash."""
+    for parallel in ("ddp", "fsdp"):
+        train(tiny(f"{tmp}/{parallel}", parallel=parallel, stop_after=2))
+        train(tiny(f"{tmp}/{parallel}", parallel=parallel, resume=True))
+
+
+def test_two_ranks_match_one_process_and_resume(two_ranks, tmp_path):
+    """`two_ranks` ran `stop_then_resume` on 2 gloo ranks (see conftest.py)."""
+    results, tmp = two_ranks
+    assert results["train"] is None
+    before = torch.get_num_threads()
+    reference = train(tiny(tmp_path / "one"))
+    torch.set_num_threads(before)
+
+    for parallel in ("ddp", "fsdp"):
+        run_dir = tmp / parallel
+        for kind, field in (("train", "loss"), ("train", "grad_norm"), ("eval", "val_loss")):
+            one, two = curve(reference.run_dir, kind, field), curve(run_dir, kind, field)
+            assert [s for s, _ in two] == [s for s, _ in one], (parallel, kind, two)
+            torch.testing.assert_close([v for _, v in two], [v for _, v in one], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{parallel} {kind} {field}: {m}")
+        # one writer: only rank 0's complete checkpoint of the last step is left (keep_checkpoints=1)
+        assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-000004"]
+
+
+def test_each_rank_keeps_a_disjoint_shard_of_the_global_batch():
+    batch = torch.arange(12).reshape(6, 2)
+    shards = [local_rows(batch, Ranks(rank, 3)) for rank in range(3)]
+    assert [s.shape[0] for s in shards] == [2, 2, 2]
+    assert torch.equal(torch.cat(shards), batch)  # disjoint and complete, in rank order
+    with pytest.raises(ValueError, match="batch_size: expected a multiple of the 4 ranks, got 6"):
+        local_rows(batch, Ranks(0, 4))
