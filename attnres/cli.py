@@ -6,7 +6,7 @@ import argparse
 import importlib
 
 # each module defines `register(subparsers)`, adding its subcommand with a `func(args) -> int` default
-COMMANDS = ("compare", "train", "generate", "convert", "estimate", "demo")
+COMMANDS = ("compare", "train", "generate", "convert", "estimate", "demo", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,13 +15,11 @@ The ratio block / standard is the inference overhead; the paper reports under 2%
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
-from attnres.models import AttnResConfig, AttnResForCausalLM
+from attnres.bench.models import build_models, decode_step, prefill
+from attnres.bench.timing import median_times
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -53,54 +51,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_models(args, device: torch.device, dtype: torch.dtype) -> dict[str, AttnResForCausalLM]:
-    """The standard and the Block AttnRes model, with the same standard weights."""
-    fields = dict(
-        vocab_size=args.vocab,
-        hidden_size=args.dim,
-        intermediate_size=-(-8 * args.dim // 3 // 32) * 32,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        max_position_embeddings=max(args.prefill_tokens, args.context + 1),
-    )
-    torch.manual_seed(args.seed)
-    standard = AttnResForCausalLM(AttnResConfig(**fields, residual="standard"))
-    block = AttnResForCausalLM(AttnResConfig(**fields, residual="block", attn_res_block_size=args.block_size))
-    block.load_state_dict(standard.state_dict(), strict=False)
-    with torch.no_grad():
-        for name, p in block.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                p.normal_(0.0, 0.3)
-    return {name: m.to(device, dtype).eval() for name, m in (("standard", standard), ("block", block))}
-
-
-def median_pair(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, device: torch.device) -> dict:
-    """Median seconds of each function, timed alternately so that drift of the machine hits both alike."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def decode_step(model, cache, tokens):
-    """One decode step after the cached context; the cache is trimmed back so every step sees the same context."""
-
-    def step():
-        model(tokens, cache=cache, logits_to_keep=1)
-        cache.crop(-tokens.shape[1])
-
-    return step
-
-
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
@@ -108,7 +58,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    models = build_models(args, device, dtype)
+    fields = dict(dim=args.dim, layers=args.layers, heads=args.heads, vocab=args.vocab, block_size=args.block_size)
+    built = build_models(**fields, max_tokens=max(args.prefill_tokens, args.context + 1), seed=args.seed,
+                         kinds=("standard", "block"))
+    models = {name: m.to(device, dtype) for name, m in built.items()}
     blocks = -(-args.layers // args.block_size)
     print(
         f"d={args.dim}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}, {dtype}, {device}"
@@ -118,13 +71,13 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
     ids = torch.randint(0, args.vocab, (1, args.prefill_tokens), generator=gen).to(device)
-    fns = {name: (lambda m=m: m(ids, use_cache=False, logits_to_keep=1)) for name, m in models.items()}
-    rows.append((f"prefill T={args.prefill_tokens}", median_pair(fns, args.repeats, args.warmup, device)))
+    fns = {name: prefill(m, ids) for name, m in models.items()}
+    rows.append((f"prefill T={args.prefill_tokens}", median_times(fns, args.repeats, args.warmup, device)))
     for batch in args.decode_batches:
         context = torch.randint(0, args.vocab, (batch, args.context), generator=gen).to(device)
         tokens = torch.randint(0, args.vocab, (batch, 1), generator=gen).to(device)
-        fns = {name: decode_step(m, m(context, use_cache=True).cache, tokens) for name, m in models.items()}
-        rows.append((f"decode batch={batch}, context {args.context}", median_pair(fns, args.decode_repeats, args.warmup, device)))
+        fns = {name: decode_step(m, context, tokens) for name, m in models.items()}
+        rows.append((f"decode batch={batch}, context {args.context}", median_times(fns, args.decode_repeats, args.warmup, device)))
     print(f"{'case':34s} {'standard ms':>12s} {'block ms':>10s} {'ratio':>7s}")
     for case, t in rows:
         print(f"{case:34s} {t['standard'] * 1e3:12.2f} {t['block'] * 1e3:10.2f} {t['block'] / t['standard']:7.3f}")

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 from attnres import depth_attention, naive_depth_attention
+from attnres.bench.timing import median_seconds
 from attnres.ops.backends import last_backend
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,20 +43,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.warmup < 0:
         p.error(f"--warmup must be non-negative, got {args.warmup}")
     return args
-
-
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def bench_dtype(dtype: torch.dtype, args: argparse.Namespace) -> list[tuple[str, str, float, int]]:

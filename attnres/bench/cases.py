@@ -1,0 +1,221 @@
+"""Operator-level cases: each case times one piece of work by several implementations side by side.
+
+Every case names a reference (the plain residual `torch.sum` over the same stacked sources, or for model cases the
+standard model); ratios are times over the reference's. Bytes follow DESIGN section 8: the aggregation is
+memory-bound and its floor is one read of its sources, so a forward over R sources `[T, d]` of e bytes moves
+(R + 1) * T * d * e bytes (R reads, one write) and a backward (2R + 1) * T * d * e (sources and output gradient
+read, one gradient per source written).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnres.bench.timing import median_times
+from attnres.ops import depth_attention, depth_stats, finish_stats, merge_stats, naive_depth_stats
+from attnres.ops.backends import last_backend
+from attnres.ops.bank import bank_aggregate
+from attnres.ops.naive import naive_bank_aggregate, naive_depth_attention
+from attnres.ops.two_phase import SoftmaxStats
+
+if TYPE_CHECKING:
+    from attnres.bench.suite import SuiteConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EPS = 1e-6
+SUM = "torch.sum"
+TWIN = "twin"
+PEER = "fla naive_attnres (compiled)"
+
+
+@dataclass
+class CaseResult:
+    """Median seconds of each implementation of one case; `nbytes` is the bytes model (None: not memory-bound)."""
+
+    name: str
+    reference: str
+    seconds: dict[str, float]
+    nbytes: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def ratios(self) -> dict[str, float]:
+        return {impl: s / self.seconds[self.reference] for impl, s in self.seconds.items()}
+
+
+class CompiledPeer:
+    """flash-linear-attention's `naive_attnres` under `torch.compile`, the strongest portable peer.
+
+    Compilation happens at the first call of each new shape or grad mode; `ready` makes that call and returns None
+    (with a note, and no further attempts) when it fails or takes longer than `timeout` seconds.
+    """
+
+    def __init__(self, enabled: bool, timeout: float, notes: list[str]):
+        self.timeout, self.notes, self.fn = timeout, notes, None
+        if not enabled:
+            notes.append("compiled peer skipped: --no-compile")
+            return
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # fla warns that Triton has no CPU target
+                from fla.ops.attnres import naive_attnres
+        except ImportError as err:
+            notes.append(f"compiled peer skipped: flash-linear-attention not importable ({err})")
+            return
+        self.fn = torch.compile(naive_attnres, dynamic=False)
+
+    def ready(self, call: Callable[[], object], case: str) -> Callable[[], object] | None:
+        if self.fn is None:
+            return None
+        start = time.perf_counter()
+        try:
+            call()
+        except Exception as err:  # noqa: BLE001 - any compiler failure means: no peer row, say why
+            self.notes.append(f"compiled peer skipped from {case} on: compile failed ({type(err).__name__}: {err})")
+            self.fn = None
+            return None
+        took = time.perf_counter() - start
+        if took > self.timeout:
+            self.notes.append(
+                f"compiled peer skipped from {case} on: compiling took {took:.0f} s "
+                f"(> --compile-timeout {self.timeout:g})"
+            )
+            self.fn = None
+            return None
+        return call
+
+
+def _with_backend(name: str, fn: Callable[[], object]) -> str:
+    """`name[backend]`, the backend that serves `fn` (one untimed call)."""
+    fn()
+    return f"{name}[{last_backend()}]"
+
+
+def _timed(
+    case: str, impls: dict[str, Callable[[], object]], peer_call: Callable[[], object], peer: CompiledPeer,
+    cfg: SuiteConfig,
+) -> dict[str, float]:
+    """Median seconds of `impls`, and of the compiled peer when it compiles in time."""
+    call = peer.ready(peer_call, case)
+    if call is not None:
+        impls[PEER] = call
+    return median_times(impls, cfg.repeats, cfg.warmup)
+
+
+def operator_cases(cfg: SuiteConfig, dtype_name: str, peer: CompiledPeer) -> list[CaseResult]:
+    """`depth_attention` forward and forward+backward against its twin, `torch.sum` and the compiled peer."""
+    R, T, d, dtype = cfg.sources, cfg.tokens, cfg.dim, DTYPES[dtype_name]
+    e = torch.finfo(dtype).bits // 8
+    stacked = torch.randn(R, T, d).to(dtype).requires_grad_()  # torch.sum's input
+    sources = [x.detach().clone().requires_grad_() for x in stacked.unbind(0)]  # the operators': R tensors
+    query = (torch.randn(d) / d**0.5).to(dtype).requires_grad_()
+    gain = torch.ones(d, dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(T, d).to(dtype)
+    leaves = [stacked, *sources, query, gain]
+    forwards = {
+        SUM: lambda: stacked.sum(0),
+        TWIN: lambda: naive_depth_attention(sources, query, gain, eps=EPS),
+        "attnres": lambda: depth_attention(sources, query, gain, eps=EPS),
+    }
+    peer_forward = lambda: peer.fn(query, sources, gain, rms_eps=EPS)  # noqa: E731 - peer.fn is read at call time
+
+    def backward(fwd: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            fwd().backward(grad_out)
+            for t in leaves:
+                t.grad = None
+
+        return run
+
+    fwd_bytes = (R + 1) * T * d * e
+    shape = f"R={R} T={T} d={d} {dtype_name}"
+    results = []
+    with torch.no_grad():
+        impls = dict(forwards)
+        impls[_with_backend("attnres", impls.pop("attnres"))] = forwards["attnres"]
+        name = f"operator fwd {shape}"
+        results.append(CaseResult(name, SUM, _timed(name, impls, peer_forward, peer, cfg), fwd_bytes))
+    impls = {impl: backward(fwd) for impl, fwd in forwards.items()}
+    impls[_with_backend("attnres", impls.pop("attnres"))] = backward(forwards["attnres"])
+    name = f"operator fwd+bwd {shape}"
+    both_bytes = fwd_bytes + (2 * R + 1) * T * d * e
+    results.append(CaseResult(name, SUM, _timed(name, impls, backward(peer_forward), peer, cfg), both_bytes))
+    return results
+
+
+def two_phase_case(cfg: SuiteConfig, dtype_name: str, peer: CompiledPeer) -> CaseResult:
+    """The block path forward: S sublayers of one block read R - 1 completed summaries and the block prefix.
+    Two-phase (`depth_stats` over the summaries for all S queries at once, then per sublayer the prefix's own
+    statistics, `merge_stats` and `finish_stats`) against S one-shot `depth_attention` calls, the twin of the
+    two-phase path, S `torch.sum`s and S calls of the compiled peer. Bytes: the floor of the two-phase path,
+    summaries read once and per sublayer the prefix read and the output written, (R - 1 + 2S) * T * d * e."""
+    R, S, T, d, dtype = cfg.sources, cfg.queries, cfg.tokens, cfg.dim, DTYPES[dtype_name]
+    e = torch.finfo(dtype).bits // 8
+    stacked = torch.randn(R, T, d).to(dtype)
+    *summaries, prefix = stacked.unbind(0)
+    queries = torch.randn(S, d) / d**0.5
+    gains = 1 + 0.1 * torch.randn(S, d)
+
+    def two_phase(stats_fn) -> Callable[[], list[torch.Tensor]]:
+        def run() -> list[torch.Tensor]:
+            block = stats_fn(summaries, queries, gains, eps=EPS)
+            outs = []
+            for s in range(S):
+                own = stats_fn([prefix], queries[s : s + 1], gains[s : s + 1], eps=EPS)
+                mine = SoftmaxStats(block.m[s : s + 1], block.z[s : s + 1], block.u[s : s + 1])
+                outs.append(finish_stats(merge_stats(mine, own), dtype=dtype)[0])
+            return outs
+
+        return run
+
+    def one_shot() -> list[torch.Tensor]:
+        return [depth_attention([*summaries, prefix], queries[s], gains[s], eps=EPS) for s in range(S)]
+
+    impls = {
+        SUM: lambda: [stacked.sum(0) for _ in range(S)],
+        TWIN: two_phase(naive_depth_stats),
+        _with_backend("one-shot x S", one_shot): one_shot,
+        _with_backend("two-phase", two_phase(depth_stats)): two_phase(depth_stats),
+    }
+    def peer_calls() -> list[torch.Tensor]:
+        return [peer.fn(queries[s], [*summaries, prefix], gains[s], rms_eps=EPS) for s in range(S)]
+
+    name = f"two-phase block fwd S={S} R={R} T={T} d={d} {dtype_name}"
+    with torch.no_grad():
+        seconds = _timed(name, impls, peer_calls, peer, cfg)
+    return CaseResult(name, SUM, seconds, (R - 1 + 2 * S) * T * d * e)
+
+
+def bank_case(cfg: SuiteConfig, dtype_name: str, peer: CompiledPeer) -> CaseResult:
+    """The fused inference aggregation (DESIGN section 6) over R - 1 bank rows and the prefix, with the pending
+    add and the sublayer PreNorm: `bank_aggregate` against its twin, `torch.sum` over R stacked sources and the
+    compiled peer (mix and norm, without the add). Bytes: bank rows, prefix and output read, prefix and the
+    normed mixture written, (R + 3) * T * d * e."""
+    R, T, d, dtype = cfg.sources, cfg.tokens, cfg.dim, DTYPES[dtype_name]
+    e = torch.finfo(dtype).bits // 8
+    bank = torch.randn(T, R, d).to(dtype)  # one spare row: bank_aggregate may write row nvb
+    prefix, output = torch.randn(T, d).to(dtype), (0.01 * torch.randn(T, d)).to(dtype)
+    stacked = torch.randn(R, T, d).to(dtype)
+    c = torch.randn(d) / d**0.5
+    norm = torch.ones(d, dtype=dtype)
+    nvb = R - 1
+
+    def aggregate(fn) -> Callable[[], torch.Tensor]:
+        return lambda: fn(bank, nvb, prefix, output, c, norm, EPS, EPS, False)
+
+    impls = {
+        SUM: lambda: stacked.sum(0),
+        TWIN: aggregate(naive_bank_aggregate),
+        _with_backend("bank_aggregate", aggregate(bank_aggregate)): aggregate(bank_aggregate),
+    }
+    rows = [bank[:, j] for j in range(nvb)]
+    peer_call = lambda: peer.fn(c, [*rows, prefix], torch.ones(d, dtype=dtype), norm, rms_eps=EPS)  # noqa: E731
+    name = f"fused inference aggregation nvb={nvb} T={T} d={d} {dtype_name}"
+    with torch.no_grad():
+        seconds = _timed(name, impls, peer_call, peer, cfg)
+    return CaseResult(name, SUM, seconds, (R + 3) * T * d * e)

@@ -1,0 +1,55 @@
+"""Timing shared by the benchmarks: medians of repeated calls, timed round-robin, and the machine's copy bandwidth.
+
+Round-robin (one call of each function per round) rather than one function after another: on a shared machine a
+change of load then hits every function of a comparison alike, so their ratio stays meaningful.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+
+def _sync(device: torch.device | str) -> Callable[[], None]:
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
+def median_times(
+    fns: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1, device: torch.device | str = "cpu"
+) -> dict[str, float]:
+    """Median seconds of each function over `repeats` rounds, after `warmup` untimed calls of each."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    sync = _sync(device)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def median_seconds(
+    fn: Callable[[], object], repeats: int, warmup: int = 1, device: torch.device | str = "cpu"
+) -> float:
+    """Median seconds of one function, as `median_times`."""
+    return median_times({"fn": fn}, repeats, warmup, device)["fn"]
+
+
+def copy_bandwidth(nbytes: int, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """Bytes per second of a `copy_` of `nbytes` into memory already touched, counting the read and the write."""
+    if nbytes < 1:
+        raise ValueError(f"nbytes must be positive, got {nbytes}")
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = median_times({"copy": lambda: dst.copy_(src)}, repeats, warmup=1, device=device)["copy"]
+    return 2 * src.nbytes / seconds
