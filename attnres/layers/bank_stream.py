@@ -68,7 +68,7 @@ class BankStream(BlockStream):
         self._phase1_stats = None
         # a few tokens (decode) pay more in extra calls than two-phase saves in reads
         few_tokens = self.two_phase is None and self.bank.shape[0] < MIN_TWO_PHASE_TOKENS
-        if not few_tokens and self._use_two_phase(self.nvb, len(rest), self.bank.element_size()):
+        if not few_tokens and self._use_two_phase(self.bank[:, 0], self.nvb, len(rest)):
             cs = torch.stack([self.points[k].folded_query(self.acc) for k in rest])
             m, z, u, _ = depth_stats_fwd(bank_rows(self.bank, self.nvb), cs, self.points[rest[0]].eps)
             self._phase1_stats = (m, z, u)

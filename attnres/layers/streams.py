@@ -24,7 +24,8 @@ from collections.abc import Sequence
 import torch
 
 from attnres.layers.depth_attention import DepthAttention, RMSNorm
-from attnres.ops import depth_attention, depth_stats, finish_stats, merge_stats
+from attnres.ops import depth_stats, finish_stats, merge_stats
+from attnres.ops.backends import TORCH, select_backend
 from attnres.ops.two_phase import SoftmaxStats
 
 RESIDUAL_KINDS = ("standard", "full", "block")
@@ -176,7 +177,7 @@ class BlockStream(ResidualStream):
             # write layer: the prefix is the block that just ended; it becomes a bank row, sources unchanged
             self.bank.append(self.prefix)
             self.prefix = None
-            two_phase = self._use_two_phase(len(self.bank), len(self._block_points()), self.bank[0].element_size())
+            two_phase = self._use_two_phase(self.bank[0], len(self.bank), len(self._block_points()))
             self._phase1 = self._score_block() if two_phase else None
             sources = self.bank
         else:
@@ -188,12 +189,16 @@ class BlockStream(ResidualStream):
     def _write(self, output):
         self.prefix = output if self.prefix is None else self.prefix + output
 
-    def _use_two_phase(self, rows: int, points: int, elem_size: int) -> bool:
+    def _use_two_phase(self, row: torch.Tensor, rows: int, points: int) -> bool:
+        """Phase 1 over `rows` bank rows like `row` for `points` points, or one-shot reads?"""
         if self.record or points < 2:
             return False
         if self.two_phase is not None:
             return self.two_phase
-        return two_phase_pays(rows, points, elem_size)
+        # a backend with a one-shot kernel but no phase-1 kernel (the CPU one) is faster one-shot than torch ops
+        if select_backend(row, stats_rows=max(rows, points)).name == TORCH.name != select_backend(row).name:
+            return False
+        return two_phase_pays(rows, points, row.element_size())
 
     def _score_block(self) -> SoftmaxStats:
         """Phase 1: every point of the block against the completed rows, each row read once."""
