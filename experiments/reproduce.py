@@ -133,7 +133,7 @@ def write_page(args, results: dict, page: Path) -> None:
         "Command:",
         "",
         "```bash",
-        "python experiments/reproduce.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        " ".join(["python experiments/reproduce.py", *(shlex.quote(a) for a in sys.argv[1:])]),
         "```",
         "",
         "| size | residual | x | seeds | val loss | vs standard |",
