@@ -48,7 +48,7 @@ def _forward_record(model: nn.Module, input_ids: torch.Tensor):
 
     handles = [m.register_forward_hook(hook) for m in _sublayers(model)]
     try:
-        out = model(input_ids=input_ids, output_depth_weights=True)
+        out = model(input_ids=input_ids, output_depth_weights=True, use_cache=False)
     finally:
         for h in handles:
             h.remove()
@@ -58,7 +58,7 @@ def _forward_record(model: nn.Module, input_ids: torch.Tensor):
 def layer_grad_norms(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """`[2L]` gradient norms of each sublayer's parameters for the LM loss on `input_ids` (leaves `.grad` alone)."""
     params = [[p for p in m.parameters() if p.requires_grad] for m in _sublayers(model)]
-    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
     flat = [p for group in params for p in group]
     grads = iter(torch.autograd.grad(loss, flat, allow_unused=True))
     norms = []

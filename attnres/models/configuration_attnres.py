@@ -36,8 +36,9 @@ class AttnResConfig(PreTrainedConfig):
             timing).
         attn_res_block_size (`int`, defaults to 2):
             Block size **in decoder layers** (each holds two sublayers), as Kimi K3's `attn_res_block_size`; the
-            paper and some peers count sublayers instead. Used only by `residual="block"`; 1 is Full AttnRes, a
-            value >= `num_hidden_layers` leaves a single block.
+            paper and some peers count sublayers instead. Used only by `residual="block"`; 1 makes each decoder layer a
+            block (a bank row sums its two sublayer outputs; Full AttnRes is `residual="full"`), a value >=
+            `num_hidden_layers` leaves a single block.
         attn_res_rescale_mixture (`bool`, defaults to False):
             Multiply each mixture by its number of sources before the sublayer PreNorm. With every pseudo-query zero
             the model then computes exactly the function of the standard model with the same other weights (DESIGN

@@ -264,8 +264,10 @@ class _Window:
 def _evaluate(model: nn.Module, batches: list[torch.Tensor], autocast: AbstractContextManager) -> float:
     """Mean loss over the fixed validation batches (equal sizes, so the mean of the batch means)."""
     model.eval()
+    # a transformers model in eval mode builds a KV cache by default; validation never reuses it
+    no_cache = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
     with autocast:
-        losses = [model(input_ids=b, labels=b).loss.float().item() for b in batches]
+        losses = [model(input_ids=b, labels=b, **no_cache).loss.float().item() for b in batches]
     model.train()
     return sum(losses) / len(losses)
 

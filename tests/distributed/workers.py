@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -36,7 +37,8 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, timeout_s: float
 def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 30.0, join_s: float = 60.0) -> dict[int, tuple]:
     """Run `fn(rank, *args)` on `world_size` gloo ranks; {rank: ("ok", result) or ("error", message)}.
 
-    Every rank is joined within `join_s` seconds; one still alive then is killed and reported as ("hung", ...).
+    Every rank is joined within `join_s` seconds; one still alive then is killed and reported as ("hung", ...), one
+    that exited without reporting as ("died", ...).
     """
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
@@ -46,16 +48,20 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 30.0, joi
     for p in procs:
         p.start()
     out = {}
-    try:
-        for _ in procs:
-            rank, status, value = results.get(timeout=join_s)
+    deadline = time.monotonic() + join_s
+    # stop waiting once every rank has reported, or the silent ones have all exited (died without a word)
+    while len(out) < world_size and time.monotonic() < deadline:
+        try:
+            rank, status, value = results.get(timeout=0.2)
             out[rank] = (status, value)
-    except queue.Empty:  # some rank did not report in time: it is killed below
-        pass
+        except queue.Empty:
+            if all(not procs[r].is_alive() for r in range(world_size) if r not in out) and results.empty():
+                break
     for rank, p in enumerate(procs):
         p.join(timeout=5)
         if p.is_alive():
             p.kill()
             p.join()
             out.setdefault(rank, ("hung", f"rank {rank} did not finish within {join_s} s"))
+        out.setdefault(rank, ("died", f"rank {rank} exited with code {p.exitcode} without a result"))
     return out
