@@ -1,4 +1,5 @@
-"""GPU benchmark of the Triton depth-attention kernels against flash-linear-attention's `fused_attnres`.
+"""GPU benchmark of the Triton depth-attention kernels against flash-linear-attention's `fused_attnres`, and of the
+fused inference kernels (`bank_aggregate`, `bank_merge`) against the unfused path they replace.
 
 For each shape: the forward and the backward of `attnres.ops.triton` and of `fla.ops.attnres.fused_attnres` on the
 same inputs (their outputs are compared first), timed as medians of `triton.testing.do_bench` after warm-up and
@@ -6,6 +7,14 @@ autotuning. Effective bandwidth uses one bytes model for every row (DESIGN secti
 op): the forward reads R sources and writes the output, (R+1)*N*d*e bytes; the backward reads the sources and the
 output gradient and writes R gradients, (2R+1)*N*d*e. It is printed in GB/s and as a fraction of the HBM peak,
 beside the device-to-device copy bandwidth measured first, and the speed-ups over fla.
+
+Inference points (DESIGN section 6), bf16, with the pending add and the fused PreNorm: a read point over all NB bank
+rows and the prefix, a write point over NB - 1 rows that also writes the prefix as row NB - 1, and a phase-2 merge.
+Their bytes models count what each must touch: a read point reads nvb rows, the prefix and the output and writes the
+prefix and the result, (nvb + 4)*N*d*e; a write point also writes a bank row, (nvb + 5)*N*d*e; a merge reads the fp32
+statistics u, the prefix and the output and writes two rows, (4 + 4e)*N*d. The baseline of the fused aggregation is
+the path it replaces (torch add, torch row write, then the one-shot Triton forward over the bank rows, which it reads
+as strided views and so copies first), that of the merge the torch-op path.
 
     python benchmarks/gpu_bench.py                     # the shapes below, on one CUDA GPU
     python benchmarks/gpu_bench.py --deadline 300      # skip what would not finish in 300 s
@@ -49,6 +58,22 @@ SMOKE_SHAPES = [
     Shape("smoke d=100", 12, 100, 3, out_norm=False),
     Shape("smoke d=64 out norm", 10, 64, 9, out_norm=True),
 ]
+
+
+@dataclass(frozen=True)
+class BankShape:
+    name: str
+    tokens: int
+    dim: int
+    bank_rows: int
+    dtype: torch.dtype = torch.bfloat16
+
+
+BANK_SHAPES = [
+    BankShape("K3 decode, bank (N=64, NB=8, d=7168)", 64, 7168, 8),
+    BankShape("K3 prefill, bank (N=16384, NB=8, d=7168)", 16384, 7168, 8),
+]
+SMOKE_BANK_SHAPES = [BankShape("smoke bank d=100", 6, 100, 3)]
 EPS = 1e-6
 # first guess of the seconds one fla case takes on an H200 (a guess: nobody has timed it there yet)
 FLA_CASE_SECONDS = 200
@@ -204,6 +229,88 @@ def run_shape(shape: Shape, args, device: torch.device, have_fla: bool, budget: 
     print(f"  {peer}: fwd {pfwd:.3f} ms, bwd {pbwd:.3f} ms; speed-up fwd {pfwd / fwd:.2f}x, bwd {pbwd / bwd:.2f}x")
 
 
+def make_bank_inputs(shape: BankShape, device: torch.device) -> dict:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    n, d, nb = shape.tokens, shape.dim, shape.bank_rows
+    randn = lambda *size: torch.randn(*size, generator=gen).to(device)  # noqa: E731
+    return {
+        "bank": (randn(n, nb, d) * (0.5 + torch.arange(nb, device=device) / nb)[:, None]).to(shape.dtype),
+        "prefix": randn(n, d).to(shape.dtype),
+        "output": (0.01 * randn(n, d)).to(shape.dtype),  # small: the timed calls add it again and again
+        "c": randn(d) * 2 / d**0.5,
+        "out_gain": 1 + 0.1 * randn(d),
+    }
+
+
+def unfused_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write):
+    """The path the fused kernel replaces: torch add and row write, then the one-shot Triton forward."""
+    from attnres.ops.triton import triton_depth_attention_fwd
+
+    prefix.add_(output)
+    if write:
+        bank[:, nvb] = prefix
+    sources = [bank[:, j] for j in range(nvb + write)] + ([] if write else [prefix])
+    return triton_depth_attention_fwd(sources, c, out_norm_weight, eps, out_eps)[0]
+
+
+def torch_bank_merge(*args):
+    """`bank_merge` on its torch-op path (the backend forced to torch for the call)."""
+    from attnres.ops.backends import BACKEND_ENV
+    from attnres.ops.bank import bank_merge
+
+    saved = os.environ.get(BACKEND_ENV)
+    os.environ[BACKEND_ENV] = "torch"
+    try:
+        return bank_merge(*args)
+    finally:
+        if saved is None:
+            del os.environ[BACKEND_ENV]
+        else:
+            os.environ[BACKEND_ENV] = saved
+
+
+def run_bank_shape(shape: BankShape, args, device: torch.device, rows: list[Row]) -> None:
+    """The fused inference kernels against their unfused paths at a read point, a write point and a merge: states
+    compared first (prefix and bank bit for bit, the mixture by relative error), then timed, appending to `rows`."""
+    from attnres.ops.naive import naive_depth_stats
+    from attnres.ops.triton import triton_bank_aggregate, triton_bank_merge
+
+    n, d, nb = shape.tokens, shape.dim, shape.bank_rows
+    e = torch.finfo(shape.dtype).bits // 8
+    t = make_bank_inputs(shape, device)
+    common = (t["output"], t["c"], t["out_gain"], EPS, EPS)
+    stats = naive_depth_stats([t["bank"][:, j] for j in range(nb)], t["c"][None], eps=EPS)
+    m, z, u = (s[0] for s in stats)
+    points = {  # kind: (fused, unfused, arguments after the state, bytes)
+        "read": (triton_bank_aggregate, unfused_bank_aggregate, (nb, False), (nb + 4) * n * d * e),
+        "write": (triton_bank_aggregate, unfused_bank_aggregate, (nb - 1, True), (nb - 1 + 5) * n * d * e),
+        "merge": (triton_bank_merge, torch_bank_merge, (), (4 + 4 * e) * n * d),
+    }
+    for kind, (fused, unfused, extra, bytes_moved) in points.items():
+        states = [(t["bank"].clone(), t["prefix"].clone()) for _ in range(2)]
+
+        def call(fn, state):
+            bank, prefix = state
+            if kind == "merge":
+                return lambda: fn(m, z, u, prefix, *common)
+            nvb, write = extra
+            return lambda: fn(bank, nvb, prefix, *common, write)
+
+        out, ref = call(fused, states[0])(), call(unfused, states[1])()
+        same_state = all(torch.equal(a, b) for a, b in zip(*states))
+        err = relative_error(out, ref)
+        ms_fused = median_ms(call(fused, states[0]), args.smoke)
+        ms_unfused = median_ms(call(unfused, states[1]), args.smoke)
+        for impl, ms in (("fused triton", ms_fused), ("unfused", ms_unfused)):
+            rate = gbps(bytes_moved, ms)
+            rows.append(Row(shape.name, impl, kind, ms, rate, rate / (args.peak_tbs * 1e3)))
+        verdict = "agree" if same_state and err < 1e-2 else "MISMATCH"
+        print(f"  {kind}: fused {ms_fused:.3f} ms ({gbps(bytes_moved, ms_fused):.0f} GB/s), unfused"
+              f" {ms_unfused:.3f} ms, speed-up {ms_unfused / ms_fused:.2f}x; state"
+              f" {'bit-exact' if same_state else 'DIFFERS'}, relative error {err:.1e} ({verdict})")
+        del states, out, ref
+
+
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
@@ -219,12 +326,12 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("TRITON_INTERPRET") != "1":
             print("--smoke needs TRITON_INTERPRET=1 in the environment (read when triton is imported)", file=sys.stderr)
             return 2
-        device, shapes = torch.device("cpu"), SMOKE_SHAPES
+        device, shapes, bank_shapes = torch.device("cpu"), SMOKE_SHAPES, SMOKE_BANK_SHAPES
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: --smoke under TRITON_INTERPRET=1 checks the logic on CPU", file=sys.stderr)
             return 2
-        device, shapes = torch.device("cuda"), SHAPES
+        device, shapes, bank_shapes = torch.device("cuda"), SHAPES, BANK_SHAPES
     try:
         import fla.ops.attnres  # noqa: F401
 
@@ -252,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     try:
+        for shape in bank_shapes:  # first: a few seconds each, where an fla case takes minutes
+            print(f"{shape.name}, {str(shape.dtype)[6:]}, out norm:", flush=True)
+            run_bank_shape(shape, args, device, rows)
+            report()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         for shape in shapes:
             if budget.left() <= 0:
                 print(f"{shape.name}: skipped, deadline reached")
@@ -265,9 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         print("stopped by SIGTERM (time limit): the table holds what was measured until then")
         report()
 
-    print(f"\n{'shape':<56} {'impl':<18} {'dir':<4} {'ms':>9} {'GB/s':>7} {'of peak':>8}")
+    print(f"\n{'shape':<56} {'impl':<18} {'dir':<5} {'ms':>9} {'GB/s':>7} {'of peak':>8}")
     for r in rows:
-        print(f"{r.shape:<56} {r.impl:<18} {r.direction:<4} {r.ms:>9.3f} {r.gbps:>7.0f} {r.of_peak:>8.1%}")
+        print(f"{r.shape:<56} {r.impl:<18} {r.direction:<5} {r.ms:>9.3f} {r.gbps:>7.0f} {r.of_peak:>8.1%}")
     if args.json:
         print(f"wrote {args.json}")
     return 0

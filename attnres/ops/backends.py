@@ -26,6 +26,8 @@ class Backend:
     bwd: Callable | None = None
     stats_fwd: Callable | None = None
     stats_bwd: Callable | None = None
+    bank_aggregate: Callable | None = None  # the fused inference ops of attnres.ops.bank, same contracts
+    bank_merge: Callable | None = None
     max_d: int | None = None  # widest hidden size the kernels take
     max_rows: int | None = None  # most sources or queries the phase-1 kernels take
 
@@ -51,7 +53,8 @@ def _triton_backend() -> Backend | None:
         return None
     return Backend(
         "triton", k.triton_depth_attention_fwd, k.triton_depth_attention_bwd, k.triton_depth_stats_fwd,
-        k.triton_depth_stats_bwd, max_d=k.MAX_D, max_rows=k.MAX_STATS_ROWS,
+        k.triton_depth_stats_bwd, bank_aggregate=k.triton_bank_aggregate, bank_merge=k.triton_bank_merge,
+        max_d=k.MAX_D, max_rows=k.MAX_STATS_ROWS,
     )
 
 

@@ -11,14 +11,24 @@ latest sublayer output still pending. One call does, per token, in one pass over
 `bank_merge` is the phase-2 twin for a point whose bank rows were already scored (phase 1, `depth_stats`): it merges
 the statistics of the bank with those of the prefix. Both mutate `prefix` (and `bank`) in place: the inference
 state owns them, so no new `[N, d]` buffer is made per point.
+
+Dispatch: a backend with fused kernels for these ops (Triton, on CUDA) does the whole point in one kernel; otherwise
+the pending add and the write are torch ops and the mixing is the backend's one-shot forward.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from attnres.ops.backends import select_backend
 from attnres.ops.depth_attention import rms_normalize, torch_depth_attention_fwd
+
+
+# The Triton kernels serve CPU tensors only under the interpreter (where tests route them so); elsewhere the CPU merge
+# skips the backend lookup, which would cost more than the rest of its dispatch.
+_TRITON_INTERPRETING = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on", "y")
 
 
 def bank_rows(bank: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -46,13 +56,16 @@ def bank_aggregate(
 
     With `write`, the prefix (after the pending add) becomes bank row `nvb` and the sources are rows `0..nvb`.
     """
+    backend = select_backend(prefix)
+    if backend.bank_aggregate is not None:
+        return backend.bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write)
     _pending_add(prefix, output)
     if write:
         bank[:, nvb] = prefix
         sources = bank_rows(bank, nvb + 1)
     else:
         sources = [*bank_rows(bank, nvb), prefix]
-    fwd = select_backend(prefix).fwd or torch_depth_attention_fwd  # the training path's kernel: same rounding
+    fwd = backend.fwd or torch_depth_attention_fwd  # the training path's kernel: same rounding
     return fwd(sources, c, out_norm_weight, eps, out_eps)[0]
 
 
@@ -69,6 +82,10 @@ def bank_merge(
 ) -> torch.Tensor:
     """Phase 2 at inference: the bank's statistics (m, z `[N]`, u `[N, d]`) merged with the prefix after the
     pending add; returns the (normed) mixture `[N, d]` in the prefix's dtype."""
+    if prefix.is_cuda or _TRITON_INTERPRETING:
+        fused = select_backend(prefix).bank_merge
+        if fused is not None:
+            return fused(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps)
     _pending_add(prefix, output)
     x = prefix.to(c.dtype)
     s = (x @ c) * torch.rsqrt(x.square().mean(-1) + eps)

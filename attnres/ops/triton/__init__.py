@@ -2,17 +2,21 @@
 
 Each launcher has exactly the contract of the torch custom-op implementation it stands in for, so a dispatcher can
 route CUDA tensors here: `triton_depth_attention_fwd/bwd` for `attnres::depth_attention_fwd/bwd` and
-`triton_depth_stats_fwd/bwd` for `attnres::depth_stats_fwd/bwd`. They take float32, bfloat16 and float16 sources
-with d <= MAX_D, and at most MAX_STATS_ROWS queries or sources in the phase-1 kernels; anything else (fp64 for
-gradcheck, say) belongs to the torch path.
+`triton_depth_stats_fwd/bwd` for `attnres::depth_stats_fwd/bwd`, and `triton_bank_aggregate/merge` for the fused
+inference ops `attnres.ops.bank.bank_aggregate/merge`. They take float32, bfloat16 and float16 sources with
+d <= MAX_D, and at most MAX_STATS_ROWS queries or sources in the phase-1 kernels; anything else (fp64 for gradcheck,
+say) belongs to the torch path.
 """
 
+from attnres.ops.triton.bank import triton_bank_aggregate, triton_bank_merge
 from attnres.ops.triton.depth_attention import MAX_D, triton_depth_attention_bwd, triton_depth_attention_fwd
 from attnres.ops.triton.two_phase import MAX_STATS_ROWS, triton_depth_stats_bwd, triton_depth_stats_fwd
 
 __all__ = [
     "MAX_D",
     "MAX_STATS_ROWS",
+    "triton_bank_aggregate",
+    "triton_bank_merge",
     "triton_depth_attention_bwd",
     "triton_depth_attention_fwd",
     "triton_depth_stats_bwd",

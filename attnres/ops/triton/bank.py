@@ -1,0 +1,221 @@
+"""Triton kernels of the fused inference aggregation, with the contracts of `attnres.ops.bank.bank_aggregate` and
+`bank_merge` (DESIGN section 6).
+
+One program owns BLOCK_T tokens and their whole rows of d channels (padded to D_PAD, masked at the tail), as the
+depth-attention forward does, and does everything a point needs in one pass:
+
+    bank_aggregate: read output and prefix, write prefix + output (and bank row nvb at a write point), score the nvb
+                    bank rows and the prefix with an online softmax, mix, apply the output norm, write the result.
+                    Bytes per token: (nvb + 4) d e, one more row at a write point; nothing is read twice.
+    bank_merge:     the same pending add, then the prefix's score merged with the phase-1 statistics (m, z, u).
+
+The pending add is rounded to the prefix's dtype before it is stored and scored, exactly like `prefix.add_(output)`;
+bf16 is rounded to nearest even on the bits (what a GPU's conversion does, and what the interpreter's truncating
+conversion does not), so the prefix and the bank row are bit-exact with the torch path on every machine. The bank and
+the prefix are written in place through their strides; offsets that scale with tokens are 64-bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnres.ops.triton.depth_attention import (
+    MAX_D,
+    TORCH_TO_TRITON,
+    block_tokens,
+    contiguous_or_none,
+    distinct_tiles,
+    online_softmax_update,
+    padded_width,
+    score_source,
+    tile_configs,
+)
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """fp32 x in DTYPE, rounded to nearest even (torch's rounding); bf16 on the bits, NaN kept."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        rounded = ((bits >> 16) << 16).to(tl.float32, bitcast=True)  # exact in bf16: the cast below only drops zeros
+        x = tl.where(x != x, x, rounded)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def pending_add(prefix_ptrs, output, offsets, mask, HAS_OUTPUT: tl.constexpr, DTYPE: tl.constexpr):
+    """The prefix tile after `prefix += output` (stored back when there is an output), in DTYPE."""
+    p = tl.load(prefix_ptrs, mask=mask, other=0.0)
+    if HAS_OUTPUT:
+        p = round_to(p.to(tl.float32) + tl.load(output + offsets, mask=mask, other=0.0).to(tl.float32), DTYPE)
+        tl.store(prefix_ptrs, p, mask=mask)
+    return p
+
+
+@triton.jit
+def output_norm(mix, out_weight, cols, col_ok, out_eps, D: tl.constexpr, OUT_NORM: tl.constexpr):
+    """o * RMSNorm(mix) over each token's row, or mix itself (fp32 `[BLOCK_T, D_PAD]`)."""
+    if OUT_NORM:
+        rstd = tl.rsqrt(tl.sum(mix * mix, 1) / D + out_eps)
+        o = tl.load(out_weight + cols, mask=col_ok, other=0.0).to(tl.float32)
+        mix = mix * rstd[:, None] * o[None, :]
+    return mix
+
+
+@triton.autotune(
+    configs=tile_configs((1024, 4096, 8192), (4, 8, 16)),
+    key=["D", "OUT_NORM", "DTYPE"],
+    prune_configs_by={"early_config_prune": distinct_tiles},
+    # autotuning runs the kernel many times: each run starts from the saved prefix, and then writes the same bank row
+    # (no row the kernel reads), so the prefix is the only state to restore (a bank copy would swamp the timings)
+    restore_value=["prefix"],
+)
+@triton.heuristics({"BLOCK_T": block_tokens})
+@triton.jit
+def bank_aggregate_kernel(
+    bank, prefix, output, c, out_weight, out, N, nvb, bank_stride_t, bank_stride_r, prefix_stride, eps, out_eps,
+    D: tl.constexpr, D_PAD: tl.constexpr, HAS_OUTPUT: tl.constexpr, WRITE: tl.constexpr, OUT_NORM: tl.constexpr,
+    DTYPE: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    cols = tl.arange(0, D_PAD)
+    col_ok = cols < D
+    mask = (rows < N)[:, None] & col_ok[None, :]
+    offsets = rows[:, None] * D + cols[None, :]  # output and out are contiguous [N, d]
+    bank_tile = bank + (rows * bank_stride_t)[:, None] + cols[None, :]  # row 0 of each token's bank
+
+    p = pending_add(prefix + (rows * prefix_stride)[:, None] + cols[None, :], output, offsets, mask, HAS_OUTPUT, DTYPE)
+    if WRITE:
+        tl.store(bank_tile + nvb * bank_stride_r, p, mask=mask)
+
+    # the prefix (the last source, bank row nvb at a write point) starts the online softmax, so its tile is dead
+    # before the loop over the bank rows; the order of the sources changes nothing but fp32 rounding
+    cv = tl.load(c + cols, mask=col_ok, other=0.0)
+    acc = p.to(tl.float32)
+    _, m = score_source(acc, cv, eps, D)
+    z = tl.full([BLOCK_T], 1.0, tl.float32)
+    for j in range(nvb):
+        x = tl.load(bank_tile + j * bank_stride_r, mask=mask, other=0.0).to(tl.float32)
+        _, s = score_source(x, cv, eps, D)
+        m, z, acc = online_softmax_update(m, z, acc, s, x)
+
+    mix = output_norm(acc / z[:, None], out_weight, cols, col_ok, out_eps, D, OUT_NORM)
+    tl.store(out + offsets, round_to(mix, DTYPE), mask=mask)
+
+
+@triton.autotune(
+    configs=tile_configs((1024, 4096, 8192), (4, 8, 16)),
+    key=["D", "OUT_NORM", "DTYPE"],
+    prune_configs_by={"early_config_prune": distinct_tiles},
+    restore_value=["prefix"],
+)
+@triton.heuristics({"BLOCK_T": block_tokens})
+@triton.jit
+def bank_merge_kernel(
+    m_in, z_in, u_in, prefix, output, c, out_weight, out, N, prefix_stride, eps, out_eps,
+    D: tl.constexpr, D_PAD: tl.constexpr, HAS_OUTPUT: tl.constexpr, OUT_NORM: tl.constexpr, DTYPE: tl.constexpr,
+    TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    cols = tl.arange(0, D_PAD)
+    row_ok = rows < N
+    col_ok = cols < D
+    mask = row_ok[:, None] & col_ok[None, :]
+    offsets = rows[:, None] * D + cols[None, :]  # output, u and out are contiguous [N, d]
+
+    p = pending_add(prefix + (rows * prefix_stride)[:, None] + cols[None, :], output, offsets, mask, HAS_OUTPUT, DTYPE)
+    x = p.to(tl.float32)
+    _, s = score_source(x, tl.load(c + cols, mask=col_ok, other=0.0), eps, D)
+    # merge (m, z, u) of the bank rows with (s, 1, x) of the prefix; masked tokens get m = 0, harmless
+    m = tl.load(m_in + rows, mask=row_ok, other=0.0)
+    top = tl.maximum(m, s)
+    a, b = tl.exp(m - top), tl.exp(s - top)
+    z = a * tl.load(z_in + rows, mask=row_ok, other=1.0) + b
+    u = a[:, None] * tl.load(u_in + offsets, mask=mask, other=0.0) + b[:, None] * x
+
+    mix = output_norm(u / z[:, None], out_weight, cols, col_ok, out_eps, D, OUT_NORM)
+    tl.store(out + offsets, round_to(mix, DTYPE), mask=mask)
+
+
+def _check_prefix(prefix: torch.Tensor, output: torch.Tensor | None, c: torch.Tensor) -> tuple[int, int]:
+    """(N, d) of a prefix `[N, d]` the kernels take, with an output of its shape and dtype and c `[d]`."""
+    if prefix.dtype not in TORCH_TO_TRITON:
+        raise TypeError(f"prefix: the Triton kernels take float32, bfloat16 or float16, got {prefix.dtype}")
+    if prefix.dim() != 2 or prefix.stride(1) != 1:
+        raise ValueError(f"prefix: expected a [N, d] tensor with contiguous rows, got shape {tuple(prefix.shape)} "
+                         f"and strides {prefix.stride()}")
+    n, d = prefix.shape
+    if d > MAX_D:
+        raise ValueError(f"prefix: the Triton kernels hold rows of at most d={MAX_D} channels, got d={d}")
+    if output is not None and (output.shape != prefix.shape or output.dtype != prefix.dtype):
+        raise ValueError(f"output: expected the prefix's shape {tuple(prefix.shape)} and dtype {prefix.dtype}, got "
+                         f"{tuple(output.shape)} {output.dtype}")
+    if c.shape != (d,):
+        raise ValueError(f"c: expected shape [{d}], got {tuple(c.shape)}")
+    return n, d
+
+
+def triton_bank_aggregate(
+    bank: torch.Tensor,
+    nvb: int,
+    prefix: torch.Tensor,
+    output: torch.Tensor | None,
+    c: torch.Tensor,
+    out_norm_weight: torch.Tensor | None,
+    eps: float,
+    out_eps: float,
+    write: bool,
+) -> torch.Tensor:
+    """Contract of `bank_aggregate`: bank `[N, NB, d]` (rows of d contiguous), prefix `[N, d]` (rows contiguous),
+    output `[N, d]` or None, c `[d]`; mutates prefix (and bank row nvb when `write`) and returns the (normed) mixture
+    `[N, d]` in the prefix's dtype."""
+    n, d = _check_prefix(prefix, output, c)
+    if bank.dim() != 3 or bank.shape[0] != n or bank.shape[2] != d or bank.stride(2) != 1 or bank.dtype != prefix.dtype:
+        raise ValueError(f"bank: expected [{n}, NB, {d}] {prefix.dtype} with contiguous rows, got shape "
+                         f"{tuple(bank.shape)}, strides {bank.stride()}, {bank.dtype}")
+    most = bank.shape[1] - 1 if write else bank.shape[1]
+    if not 0 <= nvb <= most:
+        raise ValueError(f"nvb: expected 0 <= nvb <= {most} for a bank of {bank.shape[1]} rows "
+                         f"({'a write point needs row nvb' if write else 'read point'}), got {nvb}")
+    out = torch.empty((n, d), dtype=prefix.dtype, device=prefix.device)
+    if n > 0:
+        bank_aggregate_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_T"]),)](
+            bank, prefix, contiguous_or_none(output), c.float().contiguous(), contiguous_or_none(out_norm_weight), out,
+            n, nvb, bank.stride(0), bank.stride(1), prefix.stride(0), eps, out_eps,
+            D=d, D_PAD=padded_width(d), HAS_OUTPUT=output is not None, WRITE=write,
+            OUT_NORM=out_norm_weight is not None, DTYPE=TORCH_TO_TRITON[prefix.dtype],
+        )
+    return out
+
+
+def triton_bank_merge(
+    m: torch.Tensor,
+    z: torch.Tensor,
+    u: torch.Tensor,
+    prefix: torch.Tensor,
+    output: torch.Tensor | None,
+    c: torch.Tensor,
+    out_norm_weight: torch.Tensor | None,
+    eps: float,
+    out_eps: float,
+) -> torch.Tensor:
+    """Contract of `bank_merge`: the bank's statistics m, z `[N]` and u `[N, d]` (fp32), prefix `[N, d]` (rows
+    contiguous), output `[N, d]` or None, c `[d]`; mutates prefix and returns the (normed) mixture `[N, d]` in the
+    prefix's dtype."""
+    n, d = _check_prefix(prefix, output, c)
+    if m.shape != (n,) or z.shape != (n,) or u.shape != (n, d):
+        raise ValueError(f"m, z, u: expected shapes [{n}], [{n}], [{n}, {d}], got {tuple(m.shape)}, "
+                         f"{tuple(z.shape)}, {tuple(u.shape)}")
+    out = torch.empty((n, d), dtype=prefix.dtype, device=prefix.device)
+    if n > 0:
+        stats = (s.float().contiguous() for s in (m, z, u))
+        bank_merge_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_T"]),)](
+            *stats, prefix, contiguous_or_none(output), c.float().contiguous(), contiguous_or_none(out_norm_weight),
+            out, n, prefix.stride(0), eps, out_eps,
+            D=d, D_PAD=padded_width(d), HAS_OUTPUT=output is not None, OUT_NORM=out_norm_weight is not None,
+            DTYPE=TORCH_TO_TRITON[prefix.dtype],
+        )
+    return out
