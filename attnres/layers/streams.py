@@ -40,6 +40,7 @@ class ResidualStream:
         self.num_layers = num_layers
         self.rescale_mixture = rescale_mixture
         self.point = 0  # index of the next aggregation point: 2 * layer + (0 attention | 1 MLP), 2L the final read
+        self.stop_layer = num_layers  # this stream runs the layers before it (a pipeline stage stops at its last)
         self._pending_write = False
         # when recording, each read keeps its depth weights `[R, ...]` and its pre-norm mixture `[..., d]` (analysis)
         self.record = False
@@ -69,6 +70,29 @@ class ResidualStream:
             raise RuntimeError("write: each write must follow the read of its own sublayer")
         self._pending_write = False
         self._write(output)
+
+    def state(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """(rows, head) between two decoder layers: what the next layers read, each `[..., d]`.
+
+        Block: the bank and the prefix (the residual add is never pending here: a write adds at once); Full: the
+        sources and None; standard: no rows and the residual sum. Pipeline stages send it to the next stage.
+        """
+        if self._pending_write or self.point % 2:
+            raise RuntimeError("state: a stream has a state only between decoder layers")
+        return self._state()
+
+    def resume(self, layer: int, rows: list[torch.Tensor], head: torch.Tensor | None) -> None:
+        """Continue at decoder `layer` from the `state()` of a stream that ran layers 0 .. layer-1 (pipeline stages)."""
+        if self.point != 0 or not 0 <= layer <= self.num_layers:
+            raise ValueError(f"layer: expected a fresh stream and 0 <= layer <= {self.num_layers}, got {layer}")
+        self.point = 2 * layer
+        self._resume(list(rows), head)
+
+    def _state(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        raise NotImplementedError
+
+    def _resume(self, rows: list[torch.Tensor], head: torch.Tensor | None) -> None:
+        raise NotImplementedError
 
     def _out_eps(self, norm: RMSNorm | None, num_sources: int) -> float | None:
         """The fused PreNorm's eps; with `rescale_mixture` the mixture is scaled by R, i.e. eps divided by R^2."""
@@ -111,6 +135,12 @@ class StandardStream(ResidualStream):
     def _write(self, output):
         self.hidden = self.hidden + output
 
+    def _state(self):
+        return [], self.hidden
+
+    def _resume(self, rows, head):
+        self.hidden = head
+
 
 class FullStream(ResidualStream):
     """Full AttnRes: every point attends over the embedding and every earlier sublayer output."""
@@ -126,6 +156,12 @@ class FullStream(ResidualStream):
 
     def _write(self, output):
         self.sources.append(output)
+
+    def _state(self):
+        return list(self.sources), None
+
+    def _resume(self, rows, head):
+        self.sources = rows
 
 
 class BlockStream(ResidualStream):
@@ -163,8 +199,8 @@ class BlockStream(ResidualStream):
         return -(-self.num_layers // self.block_size)
 
     def _block_points(self) -> range:
-        """Aggregation points that share the bank as it stands after this write layer's write."""
-        end = self.layer + self.block_size
+        """This and the later aggregation points of the current block: they share the bank as it stands."""
+        end = min((self.layer // self.block_size + 1) * self.block_size, self.stop_layer)
         return range(self.point, 2 * end if end < self.num_layers else 2 * self.num_layers + 1)
 
     def _is_write_point(self) -> bool:
@@ -188,6 +224,16 @@ class BlockStream(ResidualStream):
 
     def _write(self, output):
         self.prefix = output if self.prefix is None else self.prefix + output
+
+    def _state(self):
+        return list(self.bank), self.prefix
+
+    def _resume(self, rows, head):
+        self.bank, self.prefix = rows, head
+        # resumed inside a block: phase 1 for the block's remaining points (at a write point the read scores it)
+        if self.bank and not self._is_write_point() and not self.is_final:
+            if self._use_two_phase(self.bank[0], len(self.bank), len(self._block_points())):
+                self._phase1 = self._score_block()
 
     def _use_two_phase(self, row: torch.Tensor, rows: int, points: int) -> bool:
         """Phase 1 over `rows` bank rows like `row` for `points` points, or one-shot reads?"""

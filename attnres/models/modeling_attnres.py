@@ -221,6 +221,31 @@ class AttnResModel(AttnResPreTrainedModel):
             return None
         return [point for layer in self.layers for point in layer.points] + list(self.points)
 
+    def positions(
+        self, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, past: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rotary (cos, sin) in `hidden`'s dtype and the attention mask for the tokens of `hidden` `[batch, seq, d]`
+        at `position_ids` `[batch or 1, seq]`, after `past` cached tokens."""
+        config = self.config
+        cos, sin = (t.to(hidden.dtype) for t in rotary_cos_sin(position_ids, config.head_dim, config.rope_theta))
+        mask = causal_attention_mask(attention_mask, past, hidden.shape[1], config.sliding_window, hidden.device)
+        return cos, sin, mask
+
+    def new_stream(self, hidden: torch.Tensor, *, record_weights: bool = False, inference: bool = False):
+        """The residual stream of one forward (the config's kind), starting from the embedding `hidden`."""
+        config = self.config
+        return make_stream(
+            config.residual,
+            hidden,
+            config.num_hidden_layers,
+            self.aggregation_points(),
+            block_size=config.attn_res_block_size,
+            rescale_mixture=config.attn_res_rescale_mixture,
+            two_phase=config.attn_res_two_phase,
+            record_weights=record_weights,
+            inference=inference,  # Block: the fused bank path
+        )
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -254,20 +279,8 @@ class AttnResModel(AttnResPreTrainedModel):
         if position_ids is None:
             position_ids = cache_position if cache_position is not None else torch.arange(past, past + seq)
             position_ids = position_ids.to(hidden.device)[None]
-        cos, sin = (t.to(hidden.dtype) for t in rotary_cos_sin(position_ids, config.head_dim, config.rope_theta))
-        mask = causal_attention_mask(attention_mask, past, seq, config.sliding_window, hidden.device)
-
-        stream = make_stream(
-            config.residual,
-            hidden,
-            config.num_hidden_layers,
-            self.aggregation_points(),
-            block_size=config.attn_res_block_size,
-            rescale_mixture=config.attn_res_rescale_mixture,
-            two_phase=config.attn_res_two_phase,
-            record_weights=output_depth_weights,
-            inference=not torch.is_grad_enabled(),  # Block: the fused bank path
-        )
+        cos, sin, mask = self.positions(hidden, position_ids, attention_mask, past)
+        stream = self.new_stream(hidden, record_weights=output_depth_weights, inference=not torch.is_grad_enabled())
         # layer i's capture is what the next point forms: layer i + 1's attention side, or the final read
         captured = {}
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,338 @@
+"""Pipeline parallel training on `torch.distributed.pipelining`, with the residual state sent between stages
+(DESIGN section 7).
+
+The model is cut into C = P * V chunks of equal numbers of decoder layers (P ranks, V virtual stages each; chunk c
+runs on rank c mod P). Chunk 0 owns the embedding; the last chunk owns the final read, the final norm and the head.
+Between chunks travels the residual stream's `state()`: for Block the bank rows and the prefix (the residual add is
+already folded into the prefix: a stream's write adds at once), for Full the list of sources, for the standard
+residual the hidden sum. Rows travel stacked as one `[n, b, T, d]` tensor, the head (prefix or hidden) as
+`[b, T, d]`, where b = batch / microbatches.
+
+Cross-stage caching (`cache_rows`, DESIGN section 7): with virtual stages the rank of chunk c + 1 ran chunk
+c + 1 - P on the same microbatch before, and keeps the rows that chunk ended with; the hop after chunk c sends only
+the rows past them. Rows per hop and microbatch, as implemented and tested (e_c = (c + 1) L / C layers done after
+chunk c; rows(e) = ceil(e / S) bank rows for Block with block size S in decoder layers, 2e + 1 sources for Full, 0
+for the standard residual; head = 1 for Block and standard, 0 for Full):
+
+    without caching:  sent(c) = rows(e_c) + head                                    grows with c: O(C)
+    with caching:     sent(c) = rows(e_c) - rows(e_{c+1-P}) + head   for c >= P - 1  bounded: O(P)
+
+Bytes = rows * b * T * d * element size. The paper (arXiv 2603.15031, section 4) gives the totals over the C - 1
+hops, in blocks, for N_p blocks produced a chunk: eq. 7, Comm_naive = C (C - 1) / 2 * N_p, and eq. 8, Comm_cached
+= P (P - 1) / 2 * N_p + (V - 1) P^2 N_p. With blocks aligned to chunks (N_p = L / (C S) whole) the sums above are
+`paper_rows` plus what the paper leaves out or rounds: without caching eq. 7 + (C - 1) (the embedding row b_0
+travels on every hop); with caching eq. 8 + (P - 1) - (V - 1) P (N_p - 1) (eq. 8 counts ~P N_p a hop from the
+second virtual stage on; the exact increment is the (P - 1) N_p blocks of the chunks since the receiver's previous
+one, plus the prefix).
+
+Gradients through cached rows: the later chunk uses them as detached leaves; its backward for a microbatch always
+runs before the earlier chunk's (the gradient of chunk c + P flows back through chunk c + 1 to chunk c), so the
+earlier chunk's outputs pass through `_ReturnCachedGrads`, whose backward hands the leaves' gradients to the rows.
+A chunk sees its microbatches in order 0 .. M-1 in every schedule, which keys the cache per microbatch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Which decoder layers each of the `ranks * virtual_stages` chunks runs, and which rows each hop sends."""
+
+    residual: str
+    num_layers: int
+    ranks: int
+    virtual_stages: int = 1
+    block_size: int | None = None
+    cache_rows: bool = True
+
+    @property
+    def num_stages(self) -> int:
+        return self.ranks * self.virtual_stages
+
+    @property
+    def head_rows(self) -> int:
+        """1 for the tensor that travels beside the rows (Block prefix, standard hidden sum); Full has none."""
+        return 0 if self.residual == "full" else 1
+
+    def layers(self, stage: int) -> range:
+        per = self.num_layers // self.num_stages
+        return range(stage * per, (stage + 1) * per)
+
+    def rows_after(self, layers: int) -> int:
+        """Rows of the residual state after the first `layers` decoder layers (Block bank, Full sources)."""
+        if self.residual == "block":
+            return -(-layers // self.block_size)  # one row per write layer (layer % S == 0) done
+        if self.residual == "full":
+            return 1 + 2 * layers
+        return 0
+
+    def cached_rows(self, stage: int) -> int:
+        """Rows the rank of `stage` kept from its previous virtual stage on the same microbatch (leading rows)."""
+        earlier = stage - self.ranks
+        return self.rows_after(self.layers(earlier).stop) if self.cache_rows and earlier >= 0 else 0
+
+    def sent_rows(self, hop: int) -> int:
+        """Rows sent from chunk `hop` to chunk `hop + 1` per microbatch, the head included (the module docstring)."""
+        return self.rows_after(self.layers(hop).stop) - self.cached_rows(hop + 1) + self.head_rows
+
+    def keeps_rows(self, stage: int) -> bool:
+        """Whether `stage`'s rank runs a later virtual stage that uses the rows `stage` ends with."""
+        return self.cache_rows and self.residual != "standard" and stage + self.ranks < self.num_stages
+
+
+def hop_bytes(plan: PipelinePlan, micro_batch: int, seq_len: int, hidden: int, element_size: int) -> list[int]:
+    """Bytes each hop (chunk c to c + 1, c = 0 .. C-2) sends per microbatch, by the formulas of the module docstring."""
+    return [plan.sent_rows(c) * micro_batch * seq_len * hidden * element_size for c in range(plan.num_stages - 1)]
+
+
+def paper_rows(ranks: int, virtual_stages: int, blocks_per_chunk: int) -> tuple[int, int]:
+    """The paper's eq. 7 and eq. 8: block rows sent over all hops of one microbatch, without and with caching."""
+    P, V, n = ranks, virtual_stages, blocks_per_chunk
+    C = P * V
+    return C * (C - 1) // 2 * n, P * (P - 1) // 2 * n + (V - 1) * P * P * n
+
+
+class HopTraffic:
+    """What this rank's chunks handed to their PipelineStage for sending: per hop, (rows, bytes) of each microbatch."""
+
+    def __init__(self):
+        self.sends: dict[int, list[tuple[int, int]]] = defaultdict(list)
+
+    def record(self, hop: int, tensors: tuple[torch.Tensor, ...], head_rows: int) -> None:
+        rows = sum(t.shape[0] for t in tensors[: len(tensors) - head_rows]) + head_rows
+        self.sends[hop].append((rows, sum(t.numel() * t.element_size() for t in tensors)))
+
+    def per_hop(self) -> dict[int, tuple[int, int]]:
+        """{hop: (rows, bytes) per microbatch}; every microbatch of a hop sends the same."""
+        out = {}
+        for hop, sends in self.sends.items():
+            if len(set(sends)) != 1:
+                raise RuntimeError(f"hop {hop}: microbatches sent different amounts {sorted(set(sends))}")
+            out[hop] = sends[0]
+        return out
+
+
+class RowCache:
+    """One rank's cross-stage cache: the rows a chunk ended with, kept per microbatch for the rank's next virtual
+    stage, and the leaves that stage made of them (whose gradients flow back to the rows)."""
+
+    def __init__(self):
+        self.kept: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.leaves: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def keep(self, key: tuple[int, int], rows: list[torch.Tensor]) -> None:
+        self.kept[key] = rows
+
+    def take(self, key: tuple[int, int]) -> list[torch.Tensor]:
+        leaves = [row.detach().requires_grad_() for row in self.kept.pop(key)]
+        self.leaves[key] = leaves
+        return leaves
+
+    def check_empty(self) -> None:
+        if self.kept or self.leaves:
+            left = sorted(self.kept) + sorted(self.leaves)
+            raise RuntimeError(f"cross-stage cache: (chunk, microbatch) entries left after the step: {left}")
+
+
+class _ReturnCachedGrads(torch.autograd.Function):
+    """Identity on a chunk's outputs; its backward also returns, for the rows the rank kept, the gradients that the
+    rank's later virtual stage accumulated into its leaves of them."""
+
+    @staticmethod
+    def forward(ctx, cache: RowCache, key: tuple[int, int], num_outputs: int, *tensors):
+        ctx.cache, ctx.key, ctx.num_outputs = cache, key, num_outputs
+        return tuple(t.view_as(t) for t in tensors[:num_outputs])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        leaves = ctx.cache.leaves.pop(ctx.key)
+        return (None, None, None, *grads, *(leaf.grad for leaf in leaves))
+
+
+class PipelineChunk(nn.Module):
+    """The decoder layers `plan.layers(index)` of `model` (an `AttnResForCausalLM`), as one pipeline stage module.
+
+    forward: chunk 0 takes input_ids `[b, T]`; later chunks take ([rows `[n, b, T, d]`,] head `[b, T, d]`) as the
+    plan sends them (no rows tensor when n = 0; no head for Full). It returns the same for the next chunk, or, for
+    the last, the logits `[b, T, vocab]`. Parameters are the model's own (shared, not copied).
+    """
+
+    def __init__(self, model: nn.Module, plan: PipelinePlan, index: int, cache: RowCache, traffic: HopTraffic):
+        super().__init__()
+        inner = model.model
+        self.plan, self.index, self.cache, self.traffic = plan, index, cache, traffic
+        self.is_first, self.is_last = index == 0, index == plan.num_stages - 1
+        self.layers = nn.ModuleList(inner.layers[i] for i in plan.layers(index))
+        if self.is_first:
+            self.embed_tokens = inner.embed_tokens
+        if self.is_last:
+            self.norm, self.lm_head = inner.norm, model.lm_head
+            if plan.residual != "standard":  # the final read's parameters
+                self.output_attn_res_proj = inner.output_attn_res_proj
+                self.output_attn_res_norm = inner.output_attn_res_norm
+        self._inner = (inner,)  # in a tuple, not registered: the chunk's parameters are only those it runs
+        self.microbatch = 0  # the next forward's microbatch: a chunk sees them in order
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        key = (self.index, self.microbatch)
+        self.microbatch += 1
+        if self.is_first:
+            rows, head = [], self.embed_tokens(inputs[0])
+        else:
+            rows, head = self._unpack(inputs, key)
+        ref = head if head is not None else rows[0]
+        stream = self._inner[0].new_stream(ref)
+        layers = self.plan.layers(self.index)
+        stream.stop_layer = layers.stop  # phase 1 scores only this chunk's points
+        if not self.is_first:
+            stream.resume(layers.start, rows, head)
+        cos, sin, mask = self._inner[0].positions(ref, torch.arange(ref.shape[1], device=ref.device)[None])
+        for layer in self.layers:
+            layer(stream, cos, sin, mask)
+        if self.is_last:
+            return self.lm_head(stream.read(self.norm))
+        return self._pack(*stream.state(), key)
+
+    def _unpack(self, inputs: tuple[torch.Tensor, ...], key: tuple[int, int]):
+        head = inputs[-1] if self.plan.head_rows else None
+        sent = list(inputs[0].unbind(0)) if len(inputs) > self.plan.head_rows else []
+        cached = self.cache.take((self.index - self.plan.ranks, key[1])) if self.plan.cached_rows(self.index) else []
+        return cached + sent, head
+
+    def _pack(self, rows: list[torch.Tensor], head: torch.Tensor | None, key: tuple[int, int]):
+        new_rows = rows[self.plan.cached_rows(self.index + 1) :]  # the receiving rank holds the rest
+        outputs = ((torch.stack(new_rows),) if new_rows else ()) + ((head,) if head is not None else ())
+        if self.plan.keeps_rows(self.index):
+            self.cache.keep(key, rows)
+            outputs = _ReturnCachedGrads.apply(self.cache, key, len(outputs), *outputs, *rows)
+        self.traffic.record(self.index, outputs, self.plan.head_rows)
+        return outputs
+
+
+def _check_model(model: nn.Module) -> None:
+    from attnres.models.modeling_attnres import AttnResForCausalLM
+
+    if not isinstance(model, AttnResForCausalLM):
+        raise TypeError(f"model: expected an AttnResForCausalLM, got {type(model).__name__}")
+    if model.config.tie_word_embeddings:
+        raise ValueError("model: tie_word_embeddings must be off (the embedding and the head live on different stages)")
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return value
+
+
+class PipelineTrainer:
+    """Pipeline-parallel forward and backward of an `AttnResForCausalLM` over the ranks of `group` (default: all).
+
+    Every rank builds the same model (same weights) and calls `step` with the same batch; each rank computes only its
+    chunks and holds the gradients of their parameters (the others stay None). `schedule`: "gpipe", "1f1b" (one
+    chunk a rank) or "interleaved" (`ScheduleInterleaved1F1B`, `virtual_stages` >= 2 chunks a rank). `cache_rows`:
+    cross-stage caching (only changes anything with virtual stages). `traffic` counts what this rank's chunks sent in
+    the last step.
+    """
+
+    def __init__(self, model: nn.Module, *, schedule: str = "1f1b", microbatches: int, virtual_stages: int = 1,
+                 cache_rows: bool = True, group: dist.ProcessGroup | None = None):
+        _check_model(model)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+        _positive_int("microbatches", microbatches)
+        _positive_int("virtual_stages", virtual_stages)
+        if (schedule == "interleaved") != (virtual_stages > 1):
+            raise ValueError(
+                f"virtual_stages: the {schedule!r} schedule needs {'>= 2' if schedule == 'interleaved' else '1'}, "
+                f"got {virtual_stages}"
+            )
+        if not dist.is_initialized():
+            raise ValueError("PipelineTrainer: expected an initialized process group (torchrun or init_process_group)")
+        ranks, config = dist.get_world_size(group), model.config
+        if config.num_hidden_layers % (ranks * virtual_stages):
+            raise ValueError(
+                f"virtual_stages: {ranks} ranks x {virtual_stages} virtual stages must divide num_hidden_layers="
+                f"{config.num_hidden_layers} into equal chunks"
+            )
+        if schedule == "1f1b" and microbatches < ranks:
+            raise ValueError(
+                f"microbatches: the 1f1b schedule needs at least one per rank ({ranks}), got {microbatches}"
+            )
+        self.model, self.schedule_name, self.microbatches = model, schedule, microbatches
+        self.plan = PipelinePlan(config.residual, config.num_hidden_layers, ranks, virtual_stages,
+                                 config.attn_res_block_size, cache_rows)
+        self.group, self.rank = group, dist.get_rank(group)
+        self.cache, self.traffic = RowCache(), HopTraffic()
+        self.chunks = [PipelineChunk(model, self.plan, c, self.cache, self.traffic)
+                       for c in range(self.rank, self.plan.num_stages, ranks)]
+        self._schedule, self._shape = None, None
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """Forward and backward of the batch input_ids `[B, T]` with labels `[B, T]` (-100: ignored; shifted inside,
+        as in `AttnResForCausalLM`); gradients accumulate into the parameters' `.grad`. Returns the mean loss over the
+        microbatches (the batch loss when every microbatch counts the same number of labels), on every rank."""
+        if input_ids.dim() != 2 or input_ids.shape[0] % self.microbatches:
+            raise ValueError(
+                f"input_ids: expected [batch, seq] with batch a multiple of microbatches={self.microbatches}, "
+                f"got {list(input_ids.shape)}"
+            )
+        if labels.shape != input_ids.shape:
+            raise ValueError(
+                f"labels: expected the shape of input_ids {list(input_ids.shape)}, got {list(labels.shape)}"
+            )
+        if self._shape != tuple(input_ids.shape):
+            self._schedule, self._shape = self._build(*input_ids.shape), tuple(input_ids.shape)
+        for chunk in self.chunks:
+            chunk.microbatch = 0
+        self.traffic.sends.clear()
+        losses: list[torch.Tensor] = []
+        last = self.chunks[-1].is_last
+        if self.chunks[0].is_first:
+            self._schedule.step(input_ids, target=labels if last else None, losses=losses)
+        else:
+            self._schedule.step(target=labels if last else None, losses=losses)
+        self.cache.check_empty()
+        loss = torch.stack(losses).mean().detach() if last else torch.zeros((), dtype=torch.float32)
+        dist.broadcast(loss, group=self.group, group_src=(self.plan.num_stages - 1) % self.plan.ranks)
+        return loss.item()
+
+    def _build(self, batch: int, seq: int):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        plan, config = self.plan, self.model.config
+        b = batch // self.microbatches
+        dtype = self.model.lm_head.weight.dtype
+        device = self.model.lm_head.weight.device
+
+        def state(hop: int) -> tuple[torch.Tensor, ...]:
+            """Meta tensors of what hop `hop` carries (static shapes: no shape inference run through the chunks)."""
+            row, rows = (b, seq, config.hidden_size), plan.sent_rows(hop) - plan.head_rows
+            shapes = ([(rows, *row)] if rows else []) + ([row] if plan.head_rows else [])
+            return tuple(torch.empty(s, device="meta", dtype=dtype, requires_grad=True) for s in shapes)
+
+        stages = []
+        for chunk in self.chunks:
+            c = chunk.index
+            inputs = (torch.empty(b, seq, dtype=torch.long, device="meta"),) if c == 0 else state(c - 1)
+            logits = torch.empty(b, seq, config.vocab_size, device="meta", dtype=dtype, requires_grad=True)
+            outputs = (logits,) if chunk.is_last else state(c)
+            stages.append(PipelineStage(chunk, c, plan.num_stages, device, input_args=inputs, output_args=outputs,
+                                        group=self.group))
+
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return self.model.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size)
+
+        if self.schedule_name == "interleaved":
+            return ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=loss_fn)
+        cls = Schedule1F1B if self.schedule_name == "1f1b" else ScheduleGPipe
+        return cls(stages[0], self.microbatches, loss_fn=loss_fn)
