@@ -2,19 +2,23 @@
 
 In one process: the machine's copy bandwidth (a large `copy_` into memory already touched), then for each dtype
 the forward and the forward+backward of the compiled kernel (`attnres.ops.cpu`) and of the portable torch path,
-and `torch.sum` over the same sources stacked (the cost of the plain residual sum: it reads the same bytes). The
-cases run round-robin, one call each per round, so that a change in the machine's load hits all of them alike;
-times are medians over the rounds. Effective GB/s use the bytes model of DESIGN section 8: every source read
-once and the output written once; the backward reads the sources and the output gradient and writes one gradient
-per source. The peak extra memory of a forward is what it allocates through torch beyond its outputs, from the
-profiler's allocation events (the compiled kernel's own scratch is not a torch allocation: by analysis it is one
-d-long fp32 row and about 8R fp32 values per thread).
+and `torch.sum` over the same sources stacked (the cost of the plain residual sum: it reads the same bytes), and
+phase 1 of the two-phase computation (forward, and backward alone) for S queries over the same sources, kernel
+and torch path. The cases run round-robin, one call each per round, so that a change in the machine's load hits
+all of them alike; times are medians over the rounds. Effective GB/s use the bytes model of DESIGN section 8:
+every source read once and the output written once; the backward reads the sources and the output gradient and
+writes one gradient per source; phase 1 reads the sources once and writes the fp32 statistics u `[S, T, d]`, its
+backward reads the sources and the gradient of u and writes one gradient per source. "vs S x 1-shot" compares
+phase 1 with S one-shot forwards, the reads it replaces. The peak extra memory of a forward is what it allocates
+through torch beyond its outputs, from the profiler's allocation events (the compiled kernel's own scratch is not
+a torch allocation: by analysis it is a few d-long fp32 rows and 2R(2S + 1) registers of partial sums per
+thread).
 
 Fresh outputs of hundreds of MiB cost page faults as well as writes. The kernel asks for transparent huge pages
 for its outputs; torch does so for all of its allocations under THP_MEM_ALLOC_ENABLE=1, so run once with and
 once without it to see how much of a difference is page faults.
 
-    python benchmarks/bench_cpu.py                        # R=9, T=4096, d=2048, fp32 and bf16
+    python benchmarks/bench_cpu.py                        # R=9, T=4096, d=2048, S=8 queries, fp32 and bf16
     THP_MEM_ALLOC_ENABLE=1 python benchmarks/bench_cpu.py --repeats 15 --json cpu.json
 """
 
@@ -34,6 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from attnres.ops import cpu
 from attnres.ops.depth_attention import torch_depth_attention_bwd, torch_depth_attention_fwd
+from attnres.ops.two_phase import torch_depth_stats_bwd, torch_depth_stats_fwd
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EPS = 1e-6
@@ -103,10 +108,29 @@ def dtype_cases(dtype: torch.dtype, args: argparse.Namespace) -> tuple[dict[str,
         "torch fwd": Case(torch_fwd, fwd_bytes, args.torch_repeats),
         "torch fwd+bwd": Case(torch_both, both_bytes, args.torch_repeats),
     }
-    return cases, {"fast fwd": fast_fwd, "torch fwd": torch_fwd}
+    forwards = {"fast fwd": fast_fwd, "torch fwd": torch_fwd}
+    if args.queries:
+        S = args.queries
+        cs = torch.randn(S, d) / d**0.5
+        grad_z, grad_u = torch.randn(S, T), torch.randn(S, T, d)
+        m, _, _, rstd = cpu.cpu_depth_stats_fwd(sources, cs, EPS)
+        stats_fwd_bytes = R * T * d * e + S * T * d * 4
+        stats_bwd_bytes = 2 * R * T * d * e + S * T * d * 4
+        forwards["fast stats fwd"] = lambda: cpu.cpu_depth_stats_fwd(sources, cs, EPS)
+        forwards["torch stats fwd"] = lambda: torch_depth_stats_fwd(sources, cs, EPS)
+        for name, fn, nbytes, rounds in (
+            ("fast stats fwd", forwards["fast stats fwd"], stats_fwd_bytes, args.repeats),
+            ("torch stats fwd", forwards["torch stats fwd"], stats_fwd_bytes, args.torch_repeats),
+            ("fast stats bwd", lambda: cpu.cpu_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, EPS),
+             stats_bwd_bytes, args.repeats),
+            ("torch stats bwd", lambda: torch_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, EPS),
+             stats_bwd_bytes, args.torch_repeats),
+        ):
+            cases[name] = Case(fn, nbytes, rounds)
+    return cases, forwards
 
 
-def summarise(cases: dict[str, Case], forwards: dict[str, Callable], copy: Case) -> dict:
+def summarise(cases: dict[str, Case], forwards: dict[str, Callable], copy: Case, queries: int) -> dict:
     bandwidth = copy.nbytes / copy.median()
     rows = {}
     for name, case in cases.items():
@@ -115,9 +139,13 @@ def summarise(cases: dict[str, Case], forwards: dict[str, Callable], copy: Case)
         rows[name] = {"ms": seconds * 1e3, "GB/s": gbps / 1e9, "of_copy": gbps / bandwidth}
     for name in ("fast fwd", "torch fwd"):
         rows[name]["vs_sum"] = rows[name]["ms"] / rows["torch.sum"]["ms"]
+    for name in forwards:
         rows[name]["peak_extra_MiB"] = peak_extra_bytes(forwards[name]) / 2**20
-    for name in ("fast fwd", "fast fwd+bwd"):
-        rows[name]["vs_torch"] = rows[name]["ms"] / rows[name.replace("fast", "torch")]["ms"]
+    for name in ("fast fwd", "fast fwd+bwd", "fast stats fwd", "fast stats bwd"):
+        if name in rows:
+            rows[name]["vs_torch"] = rows[name]["ms"] / rows[name.replace("fast", "torch")]["ms"]
+    if "fast stats fwd" in rows:
+        rows["fast stats fwd"]["vs_one_shot"] = rows["fast stats fwd"]["ms"] / (queries * rows["fast fwd"]["ms"])
     return {"copy_GB/s": bandwidth / 1e9, "cases": rows}
 
 
@@ -127,10 +155,12 @@ def print_table(name: str, result: dict, args: argparse.Namespace) -> None:
         f"\n{name}: R={args.sources} T={args.tokens} d={args.dim}, copy {result['copy_GB/s']:.1f} GB/s "
         f"(one [T, d] fp32 buffer = {buffer_mib:.1f} MiB)"
     )
-    print(f"{'case':<15}{'ms':>9}{'GB/s':>8}{'of copy':>9}{'vs sum':>8}{'vs torch':>9}{'extra MiB':>11}")
+    print(f"{'case':<17}{'ms':>9}{'GB/s':>8}{'of copy':>9}{'vs sum':>8}{'vs torch':>9}{'extra MiB':>11}"
+          f"{'vs S x 1-shot':>15}")
     for case, r in result["cases"].items():
-        cells = [f"{r[k]:.2f}" if k in r else "" for k in ("vs_sum", "vs_torch", "peak_extra_MiB")]
-        print(f"{case:<15}{r['ms']:>9.1f}{r['GB/s']:>8.1f}{r['of_copy']:>9.0%}{cells[0]:>8}{cells[1]:>9}{cells[2]:>11}")
+        cells = [f"{r[k]:.2f}" if k in r else "" for k in ("vs_sum", "vs_torch", "peak_extra_MiB", "vs_one_shot")]
+        print(f"{case:<17}{r['ms']:>9.1f}{r['GB/s']:>8.1f}{r['of_copy']:>9.0%}{cells[0]:>8}{cells[1]:>9}{cells[2]:>11}"
+              f"{cells[3]:>15}")
 
 
 def write_json(path: Path, results: dict) -> None:
@@ -145,6 +175,7 @@ def main() -> None:
     parser.add_argument("--sources", type=int, default=9, help="R, the number of sources (default 9)")
     parser.add_argument("--tokens", type=int, default=4096, help="T, tokens (default 4096)")
     parser.add_argument("--dim", type=int, default=2048, help="d, model width (default 2048)")
+    parser.add_argument("--queries", type=int, default=8, help="S, queries of the phase-1 cases; 0 skips them (default 8)")
     parser.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, from {','.join(DTYPES)}")
     parser.add_argument("--repeats", type=int, default=11, help="rounds; the median is reported (default 11)")
     parser.add_argument("--torch-repeats", type=int, default=3, help="rounds of the slow torch path (default 3)")
@@ -156,6 +187,8 @@ def main() -> None:
         parser.error(f"--dtypes: unknown {unknown}, expected names from {list(DTYPES)}")
     if min(args.sources, args.tokens, args.dim, args.repeats, args.torch_repeats) < 1:
         parser.error("--sources, --tokens, --dim, --repeats and --torch-repeats must be at least 1")
+    if args.queries < 0:
+        parser.error("--queries must be at least 0")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if not cpu.available():
@@ -171,7 +204,7 @@ def main() -> None:
         cases, forwards = dtype_cases(DTYPES[name], args)
         copy = Case(lambda: copy_dst.copy_(copy_src), 2 * copy_src.nbytes, args.repeats)  # read + write
         run_rounds({"copy": copy, **cases})
-        results[name] = summarise(cases, forwards, copy)
+        results[name] = summarise(cases, forwards, copy, args.queries)
         print_table(name, results[name], args)
     if args.json is not None:
         write_json(args.json, results)

@@ -241,8 +241,11 @@ class BlockStream(ResidualStream):
             return False
         if self.two_phase is not None:
             return self.two_phase
-        # a backend with a one-shot kernel but no phase-1 kernel (the CPU one) is faster one-shot than torch ops
-        if select_backend(row, stats_rows=max(rows, points)).name == TORCH.name != select_backend(row).name:
+        one_shot = select_backend(row).name
+        # a backend with a one-shot kernel but no phase-1 kernel for these rows is faster one-shot than torch ops; so
+        # is the CPU kernel, phase-1 kernel and all: phase 2 (merge, finish) runs as torch ops, which cost more than
+        # the reads two-phase saves (measured 1.5x slower even where two_phase_pays, 32 layers, block size 4, d=512)
+        if one_shot == "cpu" or select_backend(row, stats_rows=max(rows, points)).name == TORCH.name != one_shot:
             return False
         return two_phase_pays(rows, points, row.element_size())
 

@@ -43,7 +43,10 @@ def _cpu_backend() -> Backend | None:
         return None
     if not cpu.available():
         return None
-    return Backend("cpu", cpu.cpu_depth_attention_fwd, cpu.cpu_depth_attention_bwd)
+    return Backend(
+        "cpu", cpu.cpu_depth_attention_fwd, cpu.cpu_depth_attention_bwd,
+        stats_fwd=cpu.cpu_depth_stats_fwd, stats_bwd=cpu.cpu_depth_stats_bwd,
+    )
 
 
 def _triton_backend() -> Backend | None:

@@ -1,5 +1,7 @@
-"""The compiled CPU kernel (`attnres.ops.cpu`): its forward and backward against the torch path of the same
-custom-op contract run in fp64 (the oracle), and end to end through `attnres.depth_attention` against the twin.
+"""The compiled CPU kernel (`attnres.ops.cpu`): the one-shot forward and backward and phase 1 of the two-phase
+computation (forward and backward) against the torch path of the same custom-op contract run in fp64 (the oracle),
+strided sources read in place, and end to end through `attnres.depth_attention` and `attnres.depth_stats` against
+the twins.
 
 The kernel is built once per machine (cached); its build failing is a test failure, not a skip, unless the kernel
 is switched off with ATTNRES_DISABLE_CPU_KERNEL=1.
@@ -9,11 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import attnres
+from attnres.layers import DepthAttention, make_stream
+from attnres.layers.streams import two_phase_pays
 from attnres.ops import backends, cpu
 from attnres.ops.cpu import build
 from attnres.ops.depth_attention import torch_depth_attention_bwd, torch_depth_attention_fwd
+from attnres.ops.two_phase import torch_depth_stats_bwd, torch_depth_stats_fwd
 
 pytestmark = pytest.mark.skipif(cpu.disabled(), reason=f"{cpu.DISABLE_ENV} is set")
 
@@ -172,6 +178,167 @@ def test_public_op_routes_to_kernel_and_matches_twin(dtype, monkeypatch):
     for name, a, e in zip(names, *results):
         assert a.dtype == e.dtype, name
         assert_close_rel(a, e, TOL[a.dtype], name)  # both compute in fp32 from the same inputs
+
+
+def make_stats_case(n_src, n_q, lead, d, dtype, score_scale=2.0):
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    sources = [(torch.randn(*lead, d, dtype=acc) * (0.5 + j)).to(dtype) for j in range(n_src)]
+    cs = torch.randn(n_q, d, dtype=acc) * score_scale / d**0.5
+    grad_z = torch.randn(n_q, *lead, dtype=acc).reshape(n_q, -1)
+    grad_u = torch.randn(n_q, *lead, d, dtype=acc).reshape(n_q, -1, d)
+    return sources, cs, grad_z, grad_u
+
+
+def check_stats_against_oracle(sources, cs, grad_z, grad_u):
+    """Phase 1 forward and backward of the kernel against the torch path in fp64 on the same (rounded) inputs."""
+    dtype, acc = sources[0].dtype, cs.dtype
+    sources64 = [x.double() for x in sources]
+    fast = cpu.cpu_depth_stats_fwd(sources, cs, EPS)
+    ref = torch_depth_stats_fwd(sources64, cs.double(), EPS)
+    assert [t.dtype for t in fast] == [acc] * 4
+    for name, a, e in zip(("m", "z", "u", "rstd"), fast, ref):
+        assert_close_rel(a, e, TOL[acc], name)
+
+    m, _, _, rstd = fast
+    grads, dcs = cpu.cpu_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, EPS)
+    ref_grads, ref_dcs = torch_depth_stats_bwd(
+        grad_z.double(), grad_u.double(), sources64, cs.double(), m.double(), rstd.double(), EPS
+    )
+    assert len(grads) == len(sources)
+    assert all(g.dtype == dtype and g.shape == x.shape for g, x in zip(grads, sources))
+    assert dcs.dtype == acc
+    assert_close_rel(torch.stack(grads), torch.stack(ref_grads), TOL[dtype], "grads of the sources")
+    assert_close_rel(dcs, ref_dcs, TOL[acc], "grad of cs")
+
+
+STATS_CASES = {
+    # single-axis stress
+    "R5-S3-T7-d67-fp32": (5, 3, (7,), 67, torch.float32),  # d not a multiple of the vector width
+    # one source, one query, one channel; fp64, because with one channel the score does not depend on |x| and the
+    # two terms of the key norm's gradient cancel to rounding, amplified by 1/|x| (in fp32 too for the torch path)
+    "R1-S1-T4-d1-fp64": (1, 1, (4,), 1, torch.float64),
+    "R1-S1-T4-d5-fp32": (1, 1, (4,), 5, torch.float32),
+    "R2-S2-T0-d8-fp32": (2, 2, (0,), 8, torch.float32),  # no tokens at all
+    "R4-S2-T6-d31-fp16": (4, 2, (6,), 31, torch.float16),
+    "R3-S4-T5-d13-fp64": (3, 4, (5,), 13, torch.float64),
+    "R4-S15-T9-d40-bf16": (4, 15, (9,), 40, torch.bfloat16),  # queries taken 8, 4, 2 and 1 at a time
+    # multi-axis stress
+    "R9-S8-B2xT11-d1000-bf16": (9, 8, (2, 11), 1000, torch.bfloat16),
+    "R17-S5-B3xT5-d129-fp32": (17, 5, (3, 5), 129, torch.float32),
+    # rows too long to keep a token's sources in L2 together: groups of one row, merged by the online softmax
+    "R3-S3-T2-d40000-fp32": (3, 3, (2,), 40000, torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", STATS_CASES.values(), ids=STATS_CASES.keys())
+def test_stats_match_fp64_oracle(case):
+    check_stats_against_oracle(*make_stats_case(*case))
+
+
+@pytest.mark.parametrize("d", [40, 40000], ids=["one-group", "row-groups"])
+def test_stats_peaked_scores_match_oracle(d):
+    """Scores beyond exp's range (|s| ~ 100) for queries c, -c and c/2, so that the running max of the online
+    softmax climbs from source to source for one query and falls for another (fp64: rounding of the scores is no
+    issue)."""
+    sources, c, *_ = aligned_sources(torch.float64, 30.0 * (40 / d) ** 0.5, "ascending", d)
+    cs = torch.stack([c, -c, c / 2])
+    _, _, grad_z, grad_u = make_stats_case(len(sources), 3, (11,), d, torch.float64)
+    check_stats_against_oracle(sources, cs, grad_z, grad_u)
+
+
+def allocated_bytes(fn) -> tuple[int, object]:
+    """(bytes that `fn` allocates through torch, its result), from the profiler's allocation events."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    return sum(b for b in sizes if b > 0), result
+
+
+def output_bytes(result) -> int:
+    flat = [t for r in result for t in (r if isinstance(r, (list, tuple)) else [r])]
+    return sum(t.nbytes for t in flat)
+
+
+def test_bank_rows_are_read_in_place():
+    """Rows `bank[:, j]` of an `[N, NB, d]` bank (row stride NB * d) are read through their stride: the kernels
+    allocate their outputs and nothing else, while sources whose channels are not contiguous are copied."""
+    bank = torch.randn(2, 32, 5, 24)  # [B, T, NB, d]: two leading dims that flatten into one token stride
+    rows = [bank[:, :, j] for j in range(4)]
+    cs = torch.randn(3, 24) / 24**0.5
+    grad_z, grad_u = torch.randn(3, 64), torch.randn(3, 64, 24)
+    _, weights, rstd = cpu.cpu_depth_attention_fwd(rows, cs[0], None, EPS, OUT_EPS)
+    m, _, _, stats_rstd = cpu.cpu_depth_stats_fwd(rows, cs, EPS)
+    calls = {  # the gradient of the one-shot output is a bank row too
+        "fwd": lambda xs: cpu.cpu_depth_attention_fwd(xs, cs[0], None, EPS, OUT_EPS),
+        "bwd": lambda xs: cpu.cpu_depth_attention_bwd(bank[:, :, 4], None, xs, cs[0], None, weights, rstd, EPS, OUT_EPS),
+        "stats fwd": lambda xs: cpu.cpu_depth_stats_fwd(xs, cs, EPS),
+        "stats bwd": lambda xs: cpu.cpu_depth_stats_bwd(grad_z, grad_u, xs, cs, m, stats_rstd, EPS),
+    }
+    for name, call in calls.items():
+        nbytes, result = allocated_bytes(lambda: call(rows))
+        assert nbytes == output_bytes(result), f"{name}: {nbytes - output_bytes(result)} bytes beyond the outputs"
+    columns = [x.transpose(0, 1).contiguous().transpose(0, 1) for x in rows]  # unit stride on tokens, not channels
+    nbytes, result = allocated_bytes(lambda: calls["stats fwd"](columns))
+    assert nbytes >= output_bytes(result) + sum(x.nbytes for x in columns), "the copies must show up in the count"
+
+
+def test_strided_stats_inputs_give_the_contiguous_result():
+    """Bank rows, an interleave, column-major sources, an expanded grad_u and a transposed grad_z: bit-equal to
+    the same values contiguous."""
+    sources, cs, grad_z, grad_u = make_stats_case(4, 3, (6,), 24, torch.bfloat16)
+    bank = torch.stack(sources, dim=1)  # [N, R, d]
+    strided = [bank[:, 0], torch.stack([sources[1]] * 2, dim=1)[:, 1], sources[2].t().contiguous().t(), bank[:, 3]]
+    assert not any(x.is_contiguous() for x in strided)
+    expanded_gu = grad_u[:, :1].expand(3, 6, 24)
+    odd_gz = grad_z.t().contiguous().t()
+    plain = cpu.cpu_depth_stats_fwd(sources, cs, EPS)
+    odd = cpu.cpu_depth_stats_fwd(strided, cs, EPS)
+    for a, e in zip(odd, plain):
+        assert torch.equal(a, e)
+    m, _, _, rstd = plain
+    plain_grads, plain_dcs = cpu.cpu_depth_stats_bwd(grad_z, expanded_gu.contiguous(), sources, cs, m, rstd, EPS)
+    odd_grads, odd_dcs = cpu.cpu_depth_stats_bwd(odd_gz, expanded_gu, strided, cs, m, rstd, EPS)
+    for a, e in zip(odd_grads, plain_grads):
+        assert a.is_contiguous() and torch.equal(a, e)
+    assert torch.equal(odd_dcs, plain_dcs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_public_stats_route_to_kernel_and_match_twin(dtype, monkeypatch):
+    """End to end through `attnres.depth_stats` + `finish_stats` (with the fused output norm): the kernel serves
+    phase 1, and the mixtures and the gradients of the sources, queries and gains match the twin."""
+    monkeypatch.setenv(backends.BACKEND_ENV, "auto")
+    S, d = 4, 40
+    leaves = [torch.randn(3, 5, d).to(dtype).requires_grad_() for _ in range(3)]
+    queries = (torch.randn(S, d) * 2 / d**0.5).requires_grad_()
+    gains = (1 + 0.1 * torch.randn(S, d)).requires_grad_()
+    out_w = 1 + 0.1 * torch.randn(S, d)
+    grad = torch.randn(S, 3, 5, d)
+    results = []
+    for fn in (attnres.depth_stats, attnres.naive_depth_stats):
+        stats = fn(leaves, queries, gains, eps=EPS)
+        if fn is attnres.depth_stats:
+            assert backends.last_backend() == "cpu"
+        mix = attnres.finish_stats(stats, out_w, out_eps=OUT_EPS)
+        inputs = [*leaves, queries, gains]
+        results.append([mix, *torch.autograd.grad((mix * grad).sum(), inputs)])
+    names = ["mixtures"] + [f"grad source {j}" for j in range(3)] + ["grad queries", "grad gains"]
+    for name, a, e in zip(names, *results):
+        assert a.dtype == e.dtype, name
+        assert_close_rel(a, e, TOL[a.dtype], name)  # both compute in fp32 from the same inputs
+
+
+def test_block_streams_read_one_shot_on_cpu(monkeypatch):
+    """With the kernel, two-phase costs more than it saves on CPU (its phase 2 runs as torch ops), so a block stream
+    reads one-shot even where the bytes model says two-phase pays; on the torch path the bytes model decides."""
+    L, d, rows, points = 8, 16, 8, 9
+    stream = make_stream("block", torch.randn(3, d), L, [DepthAttention(d) for _ in range(2 * L + 1)], block_size=4)
+    row = torch.randn(3, d)
+    assert two_phase_pays(rows, points, row.element_size())
+    monkeypatch.setenv(backends.BACKEND_ENV, "auto")
+    assert not stream._use_two_phase(row, rows, points)
+    monkeypatch.setenv(backends.BACKEND_ENV, "torch")
+    assert stream._use_two_phase(row, rows, points)
 
 
 def test_disable_switch(monkeypatch):

@@ -38,7 +38,8 @@ CASES = [
     Case(3, 5, (2, 3), 16),
     Case(1, 1, (4,), 8),
     Case(4, 9, (16,), 64, gains=False),
-    Case(2, 3, (1,), 1),
+    Case(2, 3, (1,), 16),  # one token
+    Case(2, 3, (32,), 1),  # one channel
     Case(2, 3, (1,), 7168),
     Case(3, 4, (5,), 24, stacked=True),
     Case(3, 4, (5,), 24, scale=1e4),

@@ -1,8 +1,11 @@
-"""CPU fast path of the depth-attention operator: a compiled kernel that streams each source once.
+"""CPU fast path of the depth-attention operator and of phase 1 of the two-phase computation: a compiled kernel
+that streams each source once (for all queries of phase 1) and reads strided sources, such as the bank rows
+`bank[:, j]`, in place.
 
-The functions have exactly the contracts of the `attnres::depth_attention_fwd/bwd` custom ops, so the dispatch
-can route CPU tensors here. `available()` says whether the kernel could be built and loaded (it compiles on first
-call, see `build.py`; the reason for a failure is logged once) and is False when `ATTNRES_DISABLE_CPU_KERNEL=1`.
+The functions have exactly the contracts of the `attnres::depth_attention_fwd/bwd` and `attnres::depth_stats_fwd/bwd`
+custom ops, so the dispatch can route CPU tensors here. `available()` says whether the kernel could be built and
+loaded (it compiles on first call, see `build.py`; the reason for a failure is logged once) and is False when
+`ATTNRES_DISABLE_CPU_KERNEL=1`.
 
 Environment: ATTNRES_DISABLE_CPU_KERNEL=1 (use the torch path), ATTNRES_CACHE_DIR (where the compiled library is
 kept, default ~/.cache/attnres), CXX (the compiler, default c++).
@@ -88,3 +91,34 @@ def cpu_depth_attention_bwd(
         grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, out_eps
     )
     return list(grads), dc, d_out_w
+
+
+def cpu_depth_stats_fwd(
+    sources: list[torch.Tensor], cs: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Phase 1 of the two-phase computation on CPU, the contract of `attnres::depth_stats_fwd`.
+
+    Args: R sources `[..., d]` (fp32, bf16, fp16 or fp64, any strides), the folded queries cs `[S, d]`, the key eps.
+    Returns: (m `[S, N]`, z `[S, N]`, u `[S, N, d]`, key rstd `[R, N]`) over the N flattened tokens, in the
+    accumulator dtype (fp32; fp64 for fp64 sources).
+    """
+    return _ops().depth_stats_fwd(sources, cs, eps)
+
+
+def cpu_depth_stats_bwd(
+    grad_z: torch.Tensor,
+    grad_u: torch.Tensor,
+    sources: list[torch.Tensor],
+    cs: torch.Tensor,
+    m: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Backward of phase 1 on CPU with the shift m held fixed, the contract of `attnres::depth_stats_bwd`.
+
+    Args: grad_z `[S, N]`, grad_u `[S, N, d]`, the forward's sources and cs, its m `[S, N]` and key rstd `[R, N]`
+    (`eps` is not needed again: the rstd carries it).
+    Returns: (gradient of each source in its shape and dtype, gradient of cs `[S, d]` in the accumulator dtype).
+    """
+    grads, dcs = _ops().depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd)
+    return list(grads), dcs

@@ -1,4 +1,5 @@
-// CPU fast path of the depth-attention operator (math and contract: attnres/ops/depth_attention.py).
+// CPU fast path of the depth-attention operator (math and contract: attnres/ops/depth_attention.py) and of phase 1
+// of the two-phase computation (attnres/ops/two_phase.py).
 //
 // The operator is memory-bound: its floor is one read of its sources. So each kernel reads every source row from
 // memory once, one token at a time, and does the rest of its work while the token's rows sit in L2:
@@ -7,11 +8,16 @@
 //    of a token do not fit in L2 they are taken in groups merged by an online softmax (running max, rescaled
 //    partial sum);
 //  - backward: (with the output norm: mix again, for its gradient), dot each row with c and dm, then write every
-//    source gradient in one pass that accumulates dc from the same loads.
+//    source gradient in one pass that accumulates dc from the same loads;
+//  - phase 1 (forward and backward): the same two passes with S queries at once, so each source row is read from
+//    memory once for all of them; the second pass goes through d in L1-sized chunks, each chunk of the rows
+//    serving every query.
 // Reductions are in fp32 (fp64 for fp64 sources). Tokens are split across threads by at::parallel_for; scratch
-// memory is a few d-long rows per thread. SIMD is written with GCC/Clang vector extensions at the machine's width
-// (the library is compiled with -march=native), with x86 intrinsics where they beat the generic bf16 and fp16
-// conversions. Large outputs ask for transparent huge pages (see new_output).
+// memory is a few d-long rows per thread. Sources are read in place through a row stride (any leading dims that
+// flatten, unit stride along d), so views like the bank rows `bank[:, j]` of an [N, NB, d] bank are not copied.
+// SIMD is written with GCC/Clang vector extensions at the machine's width (the library is compiled with
+// -march=native), with x86 intrinsics where they beat the generic bf16 and fp16 conversions. Large outputs ask for
+// transparent huge pages (see new_output).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -153,53 +159,57 @@ inline A hsum(Vec<A> v) {
   return t;
 }
 
-// For each of `count` rows x_j of d elements: (sum x_j*u, sum x_j*v), with u = x_j itself under kSquare (the key's
-// sum of squares). The rows are read side by side, one cache line of each in turn: with all of a token's source
-// streams advancing together the memory system keeps more loads in flight than when it streams one row after
-// another (10-20% faster from DRAM on a 2-core EPYC). `scratch` holds 4 * count registers of partial sums;
-// they are folded into totals every kFold lines, so that no partial sum adds up more than a few dozen terms
-// however long the row (fp32 rounding error stays small).
-template <class K, bool kSquare = false, class A = typename K::acc>
-inline void dot2_rows(const typename K::raw* const* x, int64_t count, const std::type_identity_t<A>* u,
-                      const std::type_identity_t<A>* v, int64_t d, Vec<A>* scratch, A* out_u, A* out_v) {
+// For each of `count` rows x_j of d elements (storage K): out[j * n_y + k] = x_j . y_k for n_y rows y_k (accumulator
+// type) and, when `sq` is given, sq[j] = x_j . x_j (a key's sum of squares). The x rows are read side by side, one
+// cache line of each in turn: with all of a token's source streams advancing together the memory system keeps more
+// loads in flight than when it streams one row after another (10-20% faster from DRAM on a 2-core EPYC; the forward
+// is 1.3x slower with 1 KiB of each row in turn). `scratch` holds 2 * count * (n_y + 1) registers of partial sums;
+// they are folded into totals every kFold lines, so that no partial sum adds up more than a few dozen terms however
+// long the row (fp32 rounding error stays small).
+template <class K, class A = typename K::acc>
+inline void dot_rows(const typename K::raw* const* x, int64_t count, const std::type_identity_t<A>* const* y,
+                     int64_t n_y, int64_t d, Vec<A>* scratch, std::type_identity_t<A>* out,
+                     std::type_identity_t<A>* sq) {
   using P = Plain<A>;
   constexpr int64_t w = kWidth<A>, line = 64 / sizeof(typename K::raw), kFold = 32;
   static_assert(line % w == 0, "a cache line of the storage format must fill whole registers");
-  Vec<A>* part_u = scratch;
-  Vec<A>* part_v = scratch + count;
-  Vec<A>* total_u = scratch + 2 * count;
-  Vec<A>* total_v = scratch + 3 * count;
-  std::fill(scratch, scratch + 4 * count, Vec<A>{});
+  const int64_t n_part = count * (n_y + 1);  // per row x_j: its n_y products, then its sum of squares
+  Vec<A>* part = scratch;
+  Vec<A>* total = scratch + n_part;
+  std::fill(scratch, scratch + 2 * n_part, Vec<A>{});
   int64_t i = 0;
   for (int64_t lines = 1; i + line <= d; i += line, ++lines) {
-    Vec<A> uv[line / w], vv[line / w];
-    for (int64_t k = 0; k < line / w; ++k) {
-      if constexpr (!kSquare) uv[k] = P::vload(u + i + k * w);
-      vv[k] = P::vload(v + i + k * w);
-    }
     for (int64_t j = 0; j < count; ++j) {
-      Vec<A> su = {}, sv = {};
-      for (int64_t k = 0; k < line / w; ++k) {
-        const Vec<A> xv = K::vload(x[j] + i + k * w);
-        su += xv * (kSquare ? xv : uv[k]);
-        sv += xv * vv[k];
+      Vec<A> xv[line / w];
+      for (int64_t k = 0; k < line / w; ++k) xv[k] = K::vload(x[j] + i + k * w);
+      Vec<A>* pj = part + j * (n_y + 1);
+      if (sq != nullptr) {
+        Vec<A> s = {};
+        for (int64_t k = 0; k < line / w; ++k) s += xv[k] * xv[k];
+        pj[n_y] += s;
       }
-      part_u[j] += su, part_v[j] += sv;
+      for (int64_t q = 0; q < n_y; ++q) {
+        Vec<A> s = {};
+        for (int64_t k = 0; k < line / w; ++k) s += xv[k] * P::vload(y[q] + i + k * w);
+        pj[q] += s;
+      }
     }
     if (lines % kFold == 0)
-      for (int64_t j = 0; j < count; ++j) {
-        total_u[j] += part_u[j], total_v[j] += part_v[j];
-        part_u[j] = part_v[j] = Vec<A>{};
-      }
+      for (int64_t e = 0; e < n_part; ++e) total[e] += part[e], part[e] = Vec<A>{};
   }
   for (int64_t j = 0; j < count; ++j) {
-    A tu = hsum<A>(total_u[j] + part_u[j]), tv = hsum<A>(total_v[j] + part_v[j]);
-    for (int64_t e = i; e < d; ++e) {
-      const A xv = K::load(x[j][e]);
-      tu += xv * (kSquare ? xv : u[e]);
-      tv += xv * v[e];
+    const Vec<A>* pj = part + j * (n_y + 1);
+    const Vec<A>* tj = total + j * (n_y + 1);
+    for (int64_t q = 0; q < n_y; ++q) {
+      A t = hsum<A>(tj[q] + pj[q]);
+      for (int64_t e = i; e < d; ++e) t += K::load(x[j][e]) * y[q][e];
+      out[j * n_y + q] = t;
     }
-    out_u[j] = tu, out_v[j] = tv;
+    if (sq != nullptr) {
+      A t = hsum<A>(tj[n_y] + pj[n_y]);
+      for (int64_t e = i; e < d; ++e) t += K::load(x[j][e]) * K::load(x[j][e]);
+      sq[j] = t;
+    }
   }
 }
 
@@ -227,6 +237,27 @@ inline void mix_rows(const typename K::raw* const* x, const A* p, int64_t count,
   }
 }
 
+// Elements of a chunk of d such that the chunks of `count` rows of `elem_bytes` fill about half of L1 (at least one
+// register block): mixing a chunk into several outputs then reads the rows from memory (or L2) once.
+inline int64_t l1_chunk(int64_t count, int64_t elem_bytes, int64_t block) {
+  constexpr int64_t kL1Bytes = 16 * 1024;
+  return std::max<int64_t>(block, kL1Bytes / (count * elem_bytes) / block * block);
+}
+
+// dst[q] = scale[q] * dst[q] (when `scale` is given) + sum_j p[q * p_stride + j] x_j, for n_out outputs, one L1
+// chunk of d at a time. `xo` is scratch for `count` pointers.
+template <class K, class A = typename K::acc>
+inline void mix_rows_into(const typename K::raw* const* x, int64_t count, const A* p, int64_t p_stride,
+                          int64_t n_out, const A* scale, int64_t d, A* const* dst, const typename K::raw** xo) {
+  const int64_t chunk = l1_chunk(count, sizeof(typename K::raw), kUnroll * kWidth<A>);
+  for (int64_t i0 = 0; i0 < d; i0 += chunk) {
+    for (int64_t j = 0; j < count; ++j) xo[j] = x[j] + i0;
+    for (int64_t q = 0; q < n_out; ++q)
+      mix_rows<K>(xo, p + q * p_stride, count, scale != nullptr, scale ? scale[q] : A(1), std::min(chunk, d - i0),
+                  dst[q] + i0);
+  }
+}
+
 // dst = factor * m (times gain, when given), converted to the storage format.
 template <class K, class A = typename K::acc>
 inline void store_row(typename K::raw* dst, const A* m, A factor, const A* gain, int64_t d) {
@@ -239,6 +270,15 @@ inline void store_row(typename K::raw* dst, const A* m, A factor, const A* gain,
   for (; i < d; ++i) dst[i] = K::store(factor * m[i] * (gain ? gain[i] : A(1)));
 }
 
+// dst = v + a * x (x in the storage format), converted to the storage format.
+template <class K, class A = typename K::acc>
+inline void store_axpy(typename K::raw* dst, const A* v, A a, const typename K::raw* x, int64_t d) {
+  constexpr int64_t w = kWidth<A>;
+  int64_t i = 0;
+  for (; i + w <= d; i += w) K::vstore(dst + i, Plain<A>::vload(v + i) + splat(a) * K::vload(x + i));
+  for (; i < d; ++i) dst[i] = K::store(v[i] + a * K::load(x[i]));
+}
+
 template <class K, class A = typename K::acc>
 inline void load_row(A* dst, const typename K::raw* src, int64_t d) {
   constexpr int64_t w = kWidth<A>;
@@ -249,9 +289,9 @@ inline void load_row(A* dst, const typename K::raw* src, int64_t d) {
 
 template <class A>
 inline A sum_squares(const A* m, int64_t d) {
-  Vec<A> scratch[4];
-  A sq, unused;
-  dot2_rows<Plain<A>, true>(&m, 1, nullptr, m, d, scratch, &sq, &unused);
+  Vec<A> scratch[2];
+  A sq;
+  dot_rows<Plain<A>>(&m, 1, nullptr, 0, d, scratch, nullptr, &sq);
   return sq;
 }
 
@@ -259,6 +299,15 @@ template <class A>
 inline A rsqrt(A v) {
   return A(1) / std::sqrt(v);
 }
+
+// Rows of d elements, one per token: token n's row starts at data + n * stride (unit stride along d). Sources and
+// gradients are read in place through it, whatever their leading strides (see as_rows).
+template <class T>
+struct Rows {
+  T* data;
+  int64_t stride;
+  T* operator[](int64_t n) const { return data + n * stride; }
+};
 
 inline int64_t grain_size(int64_t n_src, int64_t d) {  // tokens per task: enough work to be worth a thread
   return std::max<int64_t>(1, (int64_t(1) << 16) / (n_src * d));
@@ -268,7 +317,7 @@ inline int64_t grain_size(int64_t n_src, int64_t d) {  // tokens per task: enoug
 constexpr int64_t kHotBytes = 256 * 1024;
 
 template <class K>
-void forward_kernel(const std::vector<const typename K::raw*>& src, const typename K::acc* c,
+void forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const typename K::acc* c,
                     const typename K::acc* out_w, double eps, double out_eps, int64_t n_tok, int64_t d,
                     typename K::raw* out, typename K::acc* weights, typename K::acc* rstd) {
   using A = typename K::acc;
@@ -280,11 +329,11 @@ void forward_kernel(const std::vector<const typename K::raw*>& src, const typena
     std::vector<Vec<A>> scratch(4 * n_src);
     std::vector<const R*> x(n_src);
     for (int64_t n = begin; n < end; ++n) {
-      for (int64_t j = 0; j < n_src; ++j) x[j] = src[j] + n * d;
+      for (int64_t j = 0; j < n_src; ++j) x[j] = src[j][n];
       A mx = -std::numeric_limits<A>::infinity(), z = 0;  // running max of the scores, sum of exp(score - mx)
       for (int64_t g0 = 0; g0 < n_src; g0 += group) {
         const int64_t g1 = std::min(n_src, g0 + group);
-        dot2_rows<K, true>(x.data() + g0, g1 - g0, nullptr, c, d, scratch.data(), sq.data() + g0, xc.data() + g0);
+        dot_rows<K>(x.data() + g0, g1 - g0, &c, 1, d, scratch.data(), xc.data() + g0, sq.data() + g0);
         A group_mx = -std::numeric_limits<A>::infinity();
         for (int64_t j = g0; j < g1; ++j) {
           const A r = rsqrt(sq[j] / A(d) + A(eps));
@@ -309,8 +358,8 @@ void forward_kernel(const std::vector<const typename K::raw*>& src, const typena
 }
 
 template <class K>
-void backward_kernel(const typename K::raw* grad_out, const typename K::acc* grad_weights,
-                     const std::vector<const typename K::raw*>& src, const typename K::acc* c,
+void backward_kernel(Rows<const typename K::raw> grad_out, const typename K::acc* grad_weights,
+                     const std::vector<Rows<const typename K::raw>>& src, const typename K::acc* c,
                      const typename K::acc* out_w, const typename K::acc* weights, const typename K::acc* rstd,
                      double out_eps, int64_t n_tok, int64_t d, const std::vector<typename K::raw*>& grads,
                      typename K::acc* dc, typename K::acc* d_out_w) {
@@ -325,16 +374,18 @@ void backward_kernel(const typename K::raw* grad_out, const typename K::acc* gra
   at::parallel_for(0, n_tok, grain_size(n_src, d), [&](int64_t begin, int64_t end) {
     A* dc_acc = dc_part.data() + at::get_thread_num() * d;
     A* dw_acc = out_w ? dw_part.data() + at::get_thread_num() * d : nullptr;
-    std::vector<A> dm(d), mix(out_w ? d : 0), alpha(n_src), xc(n_src), coef(n_src), shrink(n_src);
-    std::vector<Vec<A>> scratch(4 * n_src);
+    // dots[2j] = c . x_j, dots[2j + 1] = dm . x_j
+    std::vector<A> dm(d), mix(out_w ? d : 0), alpha(n_src), dots(2 * n_src), coef(n_src), shrink(n_src);
+    std::vector<Vec<A>> scratch(6 * n_src);
     std::vector<const R*> x(n_src);
     std::vector<R*> dx(n_src);
+    const A* const y[2] = {c, dm.data()};
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t j = 0; j < n_src; ++j) {
-        x[j] = src[j] + n * d, dx[j] = grads[j] + n * d;
+        x[j] = src[j][n], dx[j] = grads[j] + n * d;
         alpha[j] = weights[j * n_tok + n];
       }
-      load_row<K>(dm.data(), grad_out + n * d, d);
+      load_row<K>(dm.data(), grad_out[n], d);
       if (out_w != nullptr) {  // backward of the output norm: dm becomes the gradient reaching the mixture
         mix_rows<K>(x.data(), alpha.data(), n_src, false, A(0), d, mix.data());
         const A r = rsqrt(sum_squares(mix.data(), d) / A(d) + A(out_eps));
@@ -347,16 +398,16 @@ void backward_kernel(const typename K::raw* grad_out, const typename K::acc* gra
         for (int64_t i = 0; i < d; ++i) dm[i] = r * dm[i] * out_w[i] - k * mix[i];
       }
       // softmax backward: ds_j = alpha_j (g_j - sum_k alpha_k g_k), g_j = dm . x_j (+ the weights' own gradient)
-      dot2_rows<K>(x.data(), n_src, c, dm.data(), d, scratch.data(), xc.data(), coef.data());  // coef: g_j for now
+      dot_rows<K>(x.data(), n_src, y, 2, d, scratch.data(), dots.data(), nullptr);
       A delta = 0;
       for (int64_t j = 0; j < n_src; ++j) {
-        if (grad_weights) coef[j] += grad_weights[j * n_tok + n];
+        coef[j] = dots[2 * j + 1] + (grad_weights ? grad_weights[j * n_tok + n] : A(0));  // g_j for now
         delta += alpha[j] * coef[j];
       }
       for (int64_t j = 0; j < n_src; ++j) {
         const A r = rstd[j * n_tok + n];
         coef[j] = alpha[j] * (coef[j] - delta) * r;     // the gradient reaching c . x_j
-        shrink[j] = coef[j] * (xc[j] * r) * r / A(d);  // ... and reaching x_j through its rstd
+        shrink[j] = coef[j] * (dots[2 * j] * r) * r / A(d);  // ... and reaching x_j through its rstd
       }
       // dx_j = alpha_j dm + coef_j c - shrink_j x_j and dc += coef_j x_j, one block of d at a time: the blocks of
       // dm, c and dc stay in registers across the R rows
@@ -390,6 +441,115 @@ void backward_kernel(const typename K::raw* grad_out, const typename K::acc* gra
   }
 }
 
+// Phase 1, forward: for S queries c_q against R sources, per token, s_qj = (c_q . x_j) r_j and
+//   m_q = max_j s_qj,  z_q = sum_j exp(s_qj - m_q),  u_q = sum_j exp(s_qj - m_q) x_j,
+// with u_q written straight into its row of u [S, N, d]. As in the forward, rows that do not fit in L2 together are
+// taken in groups merged by an online softmax per query.
+template <class K>
+void stats_forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const typename K::acc* cs,
+                          int64_t n_q, double eps, int64_t n_tok, int64_t d, typename K::acc* m, typename K::acc* z,
+                          typename K::acc* u, typename K::acc* rstd) {
+  using A = typename K::acc;
+  using R = typename K::raw;
+  const int64_t n_src = int64_t(src.size());
+  const int64_t group = std::clamp<int64_t>(kHotBytes / (d * int64_t(sizeof(R))), 1, n_src);
+  std::vector<const A*> c(n_q);
+  for (int64_t q = 0; q < n_q; ++q) c[q] = cs + q * d;
+  at::parallel_for(0, n_tok, grain_size(n_src + n_q, d), [&](int64_t begin, int64_t end) {
+    // per group: s[j * n_q + q] (dot products, then scores), p[q * group + j]; per query: running max, sum, rescale
+    std::vector<A> sq(group), s(group * n_q), p(n_q * group), mx(n_q), zq(n_q), scale(n_q);
+    std::vector<Vec<A>> scratch(2 * group * (n_q + 1));
+    std::vector<const R*> x(n_src), xo(group);
+    std::vector<A*> uq(n_q);
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t j = 0; j < n_src; ++j) x[j] = src[j][n];
+      for (int64_t q = 0; q < n_q; ++q) uq[q] = u + (q * n_tok + n) * d;
+      for (int64_t g0 = 0; g0 < n_src; g0 += group) {
+        const int64_t count = std::min(n_src, g0 + group) - g0;
+        dot_rows<K>(x.data() + g0, count, c.data(), n_q, d, scratch.data(), s.data(), sq.data());
+        for (int64_t j = 0; j < count; ++j) {
+          const A r = rsqrt(sq[j] / A(d) + A(eps));
+          rstd[(g0 + j) * n_tok + n] = r;
+          for (int64_t q = 0; q < n_q; ++q) s[j * n_q + q] *= r;
+        }
+        for (int64_t q = 0; q < n_q; ++q) {
+          A top = g0 == 0 ? -std::numeric_limits<A>::infinity() : mx[q];
+          for (int64_t j = 0; j < count; ++j) top = std::max(top, s[j * n_q + q]);
+          scale[q] = g0 == 0 ? A(0) : std::exp(mx[q] - top);  // rescales what earlier groups accumulated
+          A sum = g0 == 0 ? A(0) : zq[q] * scale[q];
+          for (int64_t j = 0; j < count; ++j) sum += p[q * count + j] = std::exp(s[j * n_q + q] - top);
+          mx[q] = top, zq[q] = sum;
+        }
+        mix_rows_into<K>(x.data() + g0, count, p.data(), count, n_q, g0 == 0 ? nullptr : scale.data(), d, uq.data(),
+                         xo.data());
+      }
+      for (int64_t q = 0; q < n_q; ++q) m[q * n_tok + n] = mx[q], z[q * n_tok + n] = zq[q];
+    }
+  });
+}
+
+// Phase 1, backward, with the shift m held fixed (p_qj = exp(s_qj - m_q)), per token:
+//   coef_qj = p_qj (gz_q + gu_q . x_j) r_j
+//   dx_j    = sum_q p_qj gu_q + sum_q coef_qj c_q - (sum_q coef_qj s_qj) r_j / d * x_j
+//   dc_q   += sum_j coef_qj x_j
+// A first pass dots each source row with the 2S rows gu_q and c_q (the sources and gu read from memory once); a
+// second goes through d in L1 chunks and writes the dx_j and accumulates dc from the same chunk of the rows.
+template <class K>
+void stats_backward_kernel(const typename K::acc* grad_z, Rows<const typename K::acc> grad_u,
+                           const std::vector<Rows<const typename K::raw>>& src, const typename K::acc* cs,
+                           int64_t n_q, const typename K::acc* m, const typename K::acc* rstd, int64_t n_tok,
+                           int64_t d, const std::vector<typename K::raw*>& grads, typename K::acc* dcs) {
+  using A = typename K::acc;
+  using R = typename K::raw;
+  constexpr int64_t block = kUnroll * kWidth<A>;
+  const int64_t n_src = int64_t(src.size()), n_y = 2 * n_q;
+  // the chunk of d that the second pass keeps in L1: the R rows, the 2S rows gu and c, the S rows of dc
+  const int64_t chunk = l1_chunk(1, n_src * int64_t(sizeof(R)) + 3 * n_q * int64_t(sizeof(A)), block);
+  // per-thread partial sums of dcs, added up in thread order after the loop (deterministic)
+  const int64_t n_threads = at::get_num_threads();
+  std::vector<A> dcs_part(n_threads * n_q * d, A(0));
+  at::parallel_for(0, n_tok, grain_size(n_src + n_q, d), [&](int64_t begin, int64_t end) {
+    A* dcs_acc = dcs_part.data() + at::get_thread_num() * n_q * d;
+    // y = [gu_0 .. gu_{S-1}, c_0 .. c_{S-1}]; dots[j * 2S + k] = x_j . y_k, then the weights of y_k in dx_j;
+    // coef_t[q * R + j] = coef_qj (the weights of the x_j in dc_q)
+    std::vector<A> dots(n_src * n_y), coef_t(n_q * n_src), x_scale(n_src), tmp(chunk);
+    std::vector<Vec<A>> scratch(2 * n_src * (n_y + 1));
+    std::vector<const A*> y(n_y), yo(n_y);
+    std::vector<const R*> x(n_src), xo(n_src);
+    for (int64_t q = 0; q < n_q; ++q) y[n_q + q] = cs + q * d;
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t j = 0; j < n_src; ++j) x[j] = src[j][n];
+      for (int64_t q = 0; q < n_q; ++q) y[q] = grad_u[q * n_tok + n];
+      dot_rows<K>(x.data(), n_src, y.data(), n_y, d, scratch.data(), dots.data(), nullptr);
+      for (int64_t j = 0; j < n_src; ++j) {
+        const A r = rstd[j * n_tok + n];
+        A* wj = dots.data() + j * n_y;
+        A sum = 0;
+        for (int64_t q = 0; q < n_q; ++q) {
+          const A s = wj[n_q + q] * r, p = std::exp(s - m[q * n_tok + n]);
+          const A coef = p * (grad_z[q * n_tok + n] + wj[q]) * r;
+          sum += coef * s;
+          wj[q] = p, wj[n_q + q] = coef_t[q * n_src + j] = coef;
+        }
+        x_scale[j] = sum * r / A(d);
+      }
+      for (int64_t i0 = 0; i0 < d; i0 += chunk) {
+        const int64_t len = std::min(chunk, d - i0);
+        for (int64_t k = 0; k < n_y; ++k) yo[k] = y[k] + i0;
+        for (int64_t j = 0; j < n_src; ++j) xo[j] = x[j] + i0;
+        for (int64_t j = 0; j < n_src; ++j) {
+          mix_rows<Plain<A>>(yo.data(), dots.data() + j * n_y, n_y, false, A(0), len, tmp.data());
+          store_axpy<K>(grads[j] + n * d + i0, tmp.data(), -x_scale[j], xo[j], len);
+        }
+        for (int64_t q = 0; q < n_q; ++q)
+          mix_rows<K>(xo.data(), coef_t.data() + q * n_src, n_src, true, A(1), len, dcs_acc + q * d + i0);
+      }
+    }
+  });
+  for (int64_t t = 0; t < n_threads; ++t)
+    for (int64_t i = 0; i < n_q * d; ++i) dcs[i] += dcs_part[t * n_q * d + i];
+}
+
 // Calls f(K{}) with the storage format of `dtype`.
 template <class F>
 void dispatch(at::ScalarType dtype, F&& f) {
@@ -402,52 +562,73 @@ void dispatch(at::ScalarType dtype, F&& f) {
   }
 }
 
-// Host side: inputs are brought to the layout the kernels read (contiguous rows; vectors and [R, N] rows in the
-// accumulator dtype; copies only where the caller's tensors differ). The Python layer has validated shapes.
+// `t` (n tokens of d elements) as [n, d] rows with unit stride along d: a view where its strides allow one (leading
+// dims that flatten into one token stride, as for a bank row bank[:, j] or an expanded gradient), a copy otherwise.
+at::Tensor as_rows(const at::Tensor& t, int64_t n, int64_t d) {
+  auto rows = t.reshape({n, d});
+  return rows.stride(1) == 1 || d == 1 ? rows : rows.contiguous();
+}
+
+template <class T>
+Rows<T> rows_of(const at::Tensor& rows) {  // rows from as_rows
+  return {static_cast<T*>(rows.data_ptr()), rows.stride(0)};
+}
+
+// Host side: inputs are brought to the layout the kernels read (sources and gradients as [N, d] rows, see as_rows;
+// vectors and [R, N] rows contiguous in the accumulator dtype; copies only where the caller's tensors differ). The
+// Python layer has validated shapes.
 struct Problem {
-  std::vector<at::Tensor> sources;  // R contiguous [..., d]
+  std::vector<at::Tensor> sources;  // R [N, d] rows
   at::ScalarType dtype, acc;
   int64_t n_src, n_tok, d;
+  std::vector<int64_t> shape;      // [..., d]: the shape of a source
   std::vector<int64_t> row_shape;  // [R, ...]: the shape of weights and rstd
 
   explicit Problem(at::TensorList xs) : n_src(int64_t(xs.size())) {
     TORCH_CHECK(n_src > 0 && xs[0].dim() > 0 && xs[0].size(-1) > 0, "attnres_cpu: expected sources [..., d], d >= 1");
-    for (const auto& x : xs) {
-      TORCH_CHECK(x.device().is_cpu() && x.sizes() == xs[0].sizes() && x.scalar_type() == xs[0].scalar_type(),
-                  "attnres_cpu: sources must be CPU tensors of one shape and dtype");
-      sources.push_back(x.contiguous());
-    }
     dtype = xs[0].scalar_type();
     acc = dtype == at::kDouble ? at::kDouble : at::kFloat;
     d = xs[0].size(-1);
     n_tok = xs[0].numel() / d;
+    shape = xs[0].sizes().vec();
     row_shape = {n_src};
     for (int64_t i = 0; i + 1 < xs[0].dim(); ++i) row_shape.push_back(xs[0].size(i));
+    for (const auto& x : xs) {
+      TORCH_CHECK(x.device().is_cpu() && x.sizes() == xs[0].sizes() && x.scalar_type() == dtype,
+                  "attnres_cpu: sources must be CPU tensors of one shape and dtype");
+      sources.push_back(as_rows(x, n_tok, d));
+    }
   }
 
   at::Tensor vector(const at::Tensor& t) const {  // [d] in the accumulator dtype
     TORCH_CHECK(t.device().is_cpu() && t.numel() == d, "attnres_cpu: expected a CPU vector of ", d, " elements");
     return t.reshape({d}).to(acc).contiguous();
   }
-  at::Tensor rows(const at::Tensor& t) const {  // [R, ...] in the accumulator dtype
-    TORCH_CHECK(t.device().is_cpu() && t.numel() == n_src * n_tok, "attnres_cpu: expected CPU rows of R * N = ",
-                n_src * n_tok, " elements");
+  at::Tensor queries(const at::Tensor& t) const {  // [S, d] in the accumulator dtype
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.size(1) == d && t.size(0) > 0,
+                "attnres_cpu: expected CPU queries [S, ", d, "], S >= 1");
+    return t.to(acc).contiguous();
+  }
+  at::Tensor rows(const at::Tensor& t, int64_t count) const {  // [count, N] in the accumulator dtype
+    TORCH_CHECK(t.device().is_cpu() && t.numel() == count * n_tok, "attnres_cpu: expected CPU rows of ", count,
+                " * N = ", count * n_tok, " elements");
     return t.to(acc).contiguous();
   }
   template <class T>
-  std::vector<T> pointers(const std::vector<at::Tensor>& ts) const {
-    std::vector<T> out;
-    for (const auto& t : ts) out.push_back(static_cast<T>(t.data_ptr()));
+  std::vector<Rows<const T>> source_rows() const {
+    std::vector<Rows<const T>> out;
+    for (const auto& t : sources) out.push_back(rows_of<const T>(t));
     return out;
   }
+  std::vector<at::Tensor> new_sources() const;  // R new outputs of a source's shape and dtype (gradients)
 };
 
-// A new output of the size of the sources. Large ones are backed by transparent huge pages where the kernel
-// allows it (Linux, THP "madvise" or "always"): the kernel writes outputs of hundreds of MiB into freshly mapped
-// memory, and faulting that in 4 KiB pages costs more than the writes themselves. torch does the same for all
-// its allocations under THP_MEM_ALLOC_ENABLE=1.
-at::Tensor new_output(const at::Tensor& like) {
-  auto t = at::empty(like.sizes(), like.options().memory_format(at::MemoryFormat::Contiguous));
+// A new contiguous output. Large ones are backed by transparent huge pages where the kernel allows it (Linux, THP
+// "madvise" or "always"): the kernels write outputs of hundreds of MiB into freshly mapped memory, and faulting that
+// in 4 KiB pages costs more than the writes themselves. torch does the same for all its allocations under
+// THP_MEM_ALLOC_ENABLE=1.
+at::Tensor new_output(at::IntArrayRef sizes, at::ScalarType dtype) {
+  auto t = at::empty(sizes, at::TensorOptions().dtype(dtype));
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t huge = uintptr_t(2) << 20;
   const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
@@ -455,6 +636,19 @@ at::Tensor new_output(const at::Tensor& like) {
   if (last >= first + 2 * huge) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
 #endif
   return t;
+}
+
+std::vector<at::Tensor> Problem::new_sources() const {
+  std::vector<at::Tensor> out;
+  for (int64_t j = 0; j < n_src; ++j) out.push_back(new_output(shape, dtype));
+  return out;
+}
+
+template <class T>
+std::vector<T*> pointers(const std::vector<at::Tensor>& ts) {
+  std::vector<T*> out;
+  for (const auto& t : ts) out.push_back(static_cast<T*>(t.data_ptr()));
+  return out;
 }
 
 template <class A>
@@ -468,14 +662,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd(
   Problem p(sources);
   auto cv = p.vector(c);
   auto out_w = out_norm_weight ? std::optional(p.vector(*out_norm_weight)) : std::nullopt;
-  auto out = new_output(p.sources[0]);
+  auto out = new_output(p.shape, p.dtype);
   auto weights = at::empty(p.row_shape, cv.options());
   auto rstd = at::empty(p.row_shape, cv.options());
   dispatch(p.dtype, [&](auto k) {
     using K = decltype(k);
     using A = typename K::acc;
-    forward_kernel<K>(p.pointers<const typename K::raw*>(p.sources), cv.data_ptr<A>(), data_or_null<A>(out_w), eps,
-                      out_eps, p.n_tok, p.d, static_cast<typename K::raw*>(out.data_ptr()), weights.data_ptr<A>(),
+    forward_kernel<K>(p.source_rows<typename K::raw>(), cv.data_ptr<A>(), data_or_null<A>(out_w), eps, out_eps,
+                      p.n_tok, p.d, static_cast<typename K::raw*>(out.data_ptr()), weights.data_ptr<A>(),
                       rstd.data_ptr<A>());
   });
   return {out, weights, rstd};
@@ -487,24 +681,62 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> depth_attention_bwd(
     const at::Tensor& rstd, double out_eps) {
   Problem p(sources);
   TORCH_CHECK(grad_out.sizes() == sources[0].sizes(), "attnres_cpu: grad_out must have the sources' shape");
-  auto g = grad_out.to(p.dtype).contiguous();
-  auto gw = grad_weights ? std::optional(p.rows(*grad_weights)) : std::nullopt;
+  auto g = as_rows(grad_out.to(p.dtype), p.n_tok, p.d);
+  auto gw = grad_weights ? std::optional(p.rows(*grad_weights, p.n_src)) : std::nullopt;
   auto cv = p.vector(c);
   auto out_w = out_norm_weight ? std::optional(p.vector(*out_norm_weight)) : std::nullopt;
-  auto w = p.rows(weights), r = p.rows(rstd);
-  std::vector<at::Tensor> grads;
-  for (int64_t j = 0; j < p.n_src; ++j) grads.push_back(new_output(p.sources[0]));
+  auto w = p.rows(weights, p.n_src), r = p.rows(rstd, p.n_src);
+  auto grads = p.new_sources();
   auto dc = at::zeros_like(cv);
   auto d_out_w = at::zeros_like(cv);
   dispatch(p.dtype, [&](auto k) {
     using K = decltype(k);
     using A = typename K::acc;
-    backward_kernel<K>(static_cast<const typename K::raw*>(g.data_ptr()), data_or_null<A>(gw),
-                       p.pointers<const typename K::raw*>(p.sources), cv.data_ptr<A>(), data_or_null<A>(out_w),
-                       w.data_ptr<A>(), r.data_ptr<A>(), out_eps, p.n_tok, p.d,
-                       p.pointers<typename K::raw*>(grads), dc.data_ptr<A>(), d_out_w.data_ptr<A>());
+    using R = typename K::raw;
+    backward_kernel<K>(rows_of<const R>(g), data_or_null<A>(gw), p.source_rows<R>(), cv.data_ptr<A>(),
+                       data_or_null<A>(out_w), w.data_ptr<A>(), r.data_ptr<A>(), out_eps, p.n_tok, p.d,
+                       pointers<R>(grads), dc.data_ptr<A>(), d_out_w.data_ptr<A>());
   });
   return {grads, dc, d_out_w};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_stats_fwd(at::TensorList sources,
+                                                                          const at::Tensor& cs, double eps) {
+  Problem p(sources);
+  auto c = p.queries(cs);
+  const int64_t n_q = c.size(0);
+  auto m = at::empty({n_q, p.n_tok}, c.options());
+  auto z = at::empty({n_q, p.n_tok}, c.options());
+  auto u = new_output({n_q, p.n_tok, p.d}, p.acc);
+  auto rstd = at::empty({p.n_src, p.n_tok}, c.options());
+  dispatch(p.dtype, [&](auto k) {
+    using K = decltype(k);
+    using A = typename K::acc;
+    stats_forward_kernel<K>(p.source_rows<typename K::raw>(), c.data_ptr<A>(), n_q, eps, p.n_tok, p.d,
+                            m.data_ptr<A>(), z.data_ptr<A>(), u.data_ptr<A>(), rstd.data_ptr<A>());
+  });
+  return {m, z, u, rstd};
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> depth_stats_bwd(const at::Tensor& grad_z, const at::Tensor& grad_u,
+                                                                at::TensorList sources, const at::Tensor& cs,
+                                                                const at::Tensor& m, const at::Tensor& rstd) {
+  Problem p(sources);
+  auto c = p.queries(cs);
+  const int64_t n_q = c.size(0);
+  TORCH_CHECK(grad_u.numel() == n_q * p.n_tok * p.d, "attnres_cpu: expected grad_u [S, N, d]");
+  auto gz = p.rows(grad_z, n_q), mv = p.rows(m, n_q), r = p.rows(rstd, p.n_src);
+  auto gu = as_rows(grad_u.to(p.acc), n_q * p.n_tok, p.d);
+  auto grads = p.new_sources();
+  auto dcs = at::zeros_like(c);
+  dispatch(p.dtype, [&](auto k) {
+    using K = decltype(k);
+    using A = typename K::acc;
+    using R = typename K::raw;
+    stats_backward_kernel<K>(gz.data_ptr<A>(), rows_of<const A>(gu), p.source_rows<R>(), c.data_ptr<A>(), n_q,
+                             mv.data_ptr<A>(), r.data_ptr<A>(), p.n_tok, p.d, pointers<R>(grads), dcs.data_ptr<A>());
+  });
+  return {grads, dcs};
 }
 
 }  // namespace
@@ -514,9 +746,14 @@ TORCH_LIBRARY(attnres_cpu, m) {
         " -> (Tensor, Tensor, Tensor)");
   m.def("depth_attention_bwd(Tensor grad_out, Tensor? grad_weights, Tensor[] sources, Tensor c,"
         " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps) -> (Tensor[], Tensor, Tensor)");
+  m.def("depth_stats_fwd(Tensor[] sources, Tensor cs, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("depth_stats_bwd(Tensor grad_z, Tensor grad_u, Tensor[] sources, Tensor cs, Tensor m, Tensor rstd)"
+        " -> (Tensor[], Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("depth_attention_fwd", &depth_attention_fwd);
   m.impl("depth_attention_bwd", &depth_attention_bwd);
+  m.impl("depth_stats_fwd", &depth_stats_fwd);
+  m.impl("depth_stats_bwd", &depth_stats_bwd);
 }
