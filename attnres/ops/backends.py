@@ -46,6 +46,7 @@ def _cpu_backend() -> Backend | None:
     return Backend(
         "cpu", cpu.cpu_depth_attention_fwd, cpu.cpu_depth_attention_bwd,
         stats_fwd=cpu.cpu_depth_stats_fwd, stats_bwd=cpu.cpu_depth_stats_bwd,
+        bank_aggregate=cpu.cpu_bank_aggregate, bank_merge=cpu.cpu_bank_merge,
     )
 
 

@@ -1,11 +1,11 @@
-"""CPU fast path of the depth-attention operator and of phase 1 of the two-phase computation: a compiled kernel
-that streams each source once (for all queries of phase 1) and reads strided sources, such as the bank rows
-`bank[:, j]`, in place.
+"""CPU fast path of the depth-attention operator, of phase 1 of the two-phase computation and of the fused inference
+ops: a compiled kernel that streams each source once (for all queries of phase 1) and reads strided sources, such as
+the bank rows `bank[:, j]`, in place.
 
 The functions have exactly the contracts of the `attnres::depth_attention_fwd/bwd` and `attnres::depth_stats_fwd/bwd`
-custom ops, so the dispatch can route CPU tensors here. `available()` says whether the kernel could be built and
-loaded (it compiles on first call, see `build.py`; the reason for a failure is logged once) and is False when
-`ATTNRES_DISABLE_CPU_KERNEL=1`.
+custom ops and of `attnres.ops.bank.bank_aggregate/bank_merge`, so the dispatch can route CPU tensors here.
+`available()` says whether the kernel could be built and loaded (it compiles on first call, see `build.py`; the
+reason for a failure is logged once) and is False when `ATTNRES_DISABLE_CPU_KERNEL=1`.
 
 Environment: ATTNRES_DISABLE_CPU_KERNEL=1 (use the torch path), ATTNRES_CACHE_DIR (where the compiled library is
 kept, default ~/.cache/attnres), CXX (the compiler, default c++).
@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from attnres.ops.bank import check_bank, check_bank_point, check_stats
 from attnres.ops.cpu.build import build_library
 
 DISABLE_ENV = "ATTNRES_DISABLE_CPU_KERNEL"
@@ -122,3 +123,42 @@ def cpu_depth_stats_bwd(
     """
     grads, dcs = _ops().depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd)
     return list(grads), dcs
+
+
+def cpu_bank_aggregate(
+    bank: torch.Tensor,
+    nvb: int,
+    prefix: torch.Tensor,
+    output: torch.Tensor | None,
+    c: torch.Tensor,
+    out_norm_weight: torch.Tensor | None,
+    eps: float,
+    out_eps: float,
+    write: bool,
+) -> torch.Tensor:
+    """Contract of `attnres.ops.bank.bank_aggregate` in one call: bank `[N, NB, d]` and prefix `[N, d]` (any token
+    strides, unit stride along d; fp32, bf16, fp16 or fp64), output `[N, d]` or None, c `[d]`, the optional
+    output-norm gain `[d]`; mutates prefix (and bank row nvb when `write`) and returns the (normed) mixture `[N, d]`
+    in the prefix's dtype, bit for bit the one-shot forward's over the same rows."""
+    check_bank_point(prefix, output, c, out_norm_weight, eps, out_eps)
+    check_bank(bank, nvb, prefix, write)
+    return _ops().bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, bool(write))
+
+
+def cpu_bank_merge(
+    m: torch.Tensor,
+    z: torch.Tensor,
+    u: torch.Tensor,
+    prefix: torch.Tensor,
+    output: torch.Tensor | None,
+    c: torch.Tensor,
+    out_norm_weight: torch.Tensor | None,
+    eps: float,
+    out_eps: float,
+) -> torch.Tensor:
+    """Contract of `attnres.ops.bank.bank_merge` in one call: the bank's phase-1 statistics m, z `[N]` and u `[N, d]`,
+    prefix `[N, d]` (unit stride along d), output `[N, d]` or None, c `[d]`, the optional output-norm gain `[d]`;
+    mutates prefix and returns the (normed) mixture `[N, d]` in the prefix's dtype."""
+    check_bank_point(prefix, output, c, out_norm_weight, eps, out_eps)
+    check_stats(m, z, u, prefix)
+    return _ops().bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps)

@@ -11,7 +11,9 @@
 //    source gradient in one pass that accumulates dc from the same loads;
 //  - phase 1 (forward and backward): the same two passes with S queries at once, so each source row is read from
 //    memory once for all of them; the second pass goes through d in L1-sized chunks, each chunk of the rows
-//    serving every query.
+//    serving every query;
+//  - the fused inference ops of attnres/ops/bank.py (bank_aggregate, bank_merge): one call per aggregation point that
+//    does the pending residual add and the bank write in place and mixes through the forward's per-token code.
 // Reductions are in fp32 (fp64 for fp64 sources). Tokens are split across threads by at::parallel_for; scratch
 // memory is a few d-long rows per thread. Sources are read in place through a row stride (any leading dims that
 // flatten, unit stride along d), so views like the bank rows `bank[:, j]` of an [N, NB, d] bank are not copied.
@@ -316,6 +318,56 @@ inline int64_t grain_size(int64_t n_src, int64_t d) {  // tokens per task: enoug
 // Bytes of source rows that one token keeps hot between its passes: half of a typical 512 KiB - 2 MiB L2.
 constexpr int64_t kHotBytes = 256 * 1024;
 
+// Per-thread scratch of forward_token for tokens of n_src rows of d elements.
+template <class A>
+struct ForwardScratch {
+  std::vector<A> acc, score, rstd, sq, xc, p;
+  std::vector<Vec<A>> dots;
+  ForwardScratch(int64_t n_src, int64_t d)
+      : acc(d), score(n_src), rstd(n_src), sq(n_src), xc(n_src), p(n_src), dots(4 * n_src) {}
+};
+
+// out = inv_z * acc, through the output norm (o * RMSNorm) when its gain out_w is given, in the storage format.
+template <class K, class A = typename K::acc>
+inline void store_mixture(typename K::raw* out, const A* acc, A inv_z, const A* out_w, double out_eps, int64_t d) {
+  A factor = inv_z;
+  if (out_w != nullptr) factor *= rsqrt(sum_squares(acc, d) * inv_z * inv_z / A(d) + A(out_eps));
+  store_row<K>(out, acc, factor, out_w, d);
+}
+
+// The forward for one token over its n_src rows x: writes the (normed) mixture to `out` and leaves each row's score
+// and key rstd in s.score and s.rstd; returns (the largest score, 1 / sum_j exp(score_j - largest)). Never inlined:
+// the one-shot op and the fused bank ops run this very code, so they agree bit for bit (inlined copies could be
+// contracted into FMAs differently).
+template <class K>
+__attribute__((noinline)) std::pair<typename K::acc, typename K::acc> forward_token(
+    const typename K::raw* const* x, int64_t n_src, const typename K::acc* c, const typename K::acc* out_w,
+    double eps, double out_eps, int64_t d, ForwardScratch<typename K::acc>& s, typename K::raw* out) {
+  using A = typename K::acc;
+  const int64_t group = std::clamp<int64_t>(kHotBytes / (d * int64_t(sizeof(typename K::raw))), 1, n_src);
+  A mx = -std::numeric_limits<A>::infinity(), z = 0;  // running max of the scores, sum of exp(score - mx)
+  for (int64_t g0 = 0; g0 < n_src; g0 += group) {
+    const int64_t g1 = std::min(n_src, g0 + group);
+    dot_rows<K>(x + g0, g1 - g0, &c, 1, d, s.dots.data(), s.xc.data() + g0, s.sq.data() + g0);
+    A group_mx = -std::numeric_limits<A>::infinity();
+    for (int64_t j = g0; j < g1; ++j) {
+      const A r = rsqrt(s.sq[j] / A(d) + A(eps));
+      s.rstd[j] = r;
+      s.score[j] = s.xc[j] * r;
+      group_mx = std::max(group_mx, s.score[j]);
+    }
+    const A new_mx = std::max(mx, group_mx);
+    const A scale = g0 == 0 ? A(0) : std::exp(mx - new_mx);  // rescales what earlier groups accumulated
+    z *= scale;
+    for (int64_t j = g0; j < g1; ++j) z += s.p[j] = std::exp(s.score[j] - new_mx);
+    mix_rows<K>(x + g0, s.p.data() + g0, g1 - g0, g0 > 0, scale, d, s.acc.data());
+    mx = new_mx;
+  }
+  const A inv_z = A(1) / z;
+  store_mixture<K>(out, s.acc.data(), inv_z, out_w, out_eps, d);
+  return {mx, inv_z};
+}
+
 template <class K>
 void forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const typename K::acc* c,
                     const typename K::acc* out_w, double eps, double out_eps, int64_t n_tok, int64_t d,
@@ -323,36 +375,16 @@ void forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const t
   using A = typename K::acc;
   using R = typename K::raw;
   const int64_t n_src = int64_t(src.size());
-  const int64_t group = std::clamp<int64_t>(kHotBytes / (d * int64_t(sizeof(R))), 1, n_src);
   at::parallel_for(0, n_tok, grain_size(n_src, d), [&](int64_t begin, int64_t end) {
-    std::vector<A> acc(d), score(n_src), sq(n_src), xc(n_src), p(n_src);
-    std::vector<Vec<A>> scratch(4 * n_src);
+    ForwardScratch<A> s(n_src, d);
     std::vector<const R*> x(n_src);
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t j = 0; j < n_src; ++j) x[j] = src[j][n];
-      A mx = -std::numeric_limits<A>::infinity(), z = 0;  // running max of the scores, sum of exp(score - mx)
-      for (int64_t g0 = 0; g0 < n_src; g0 += group) {
-        const int64_t g1 = std::min(n_src, g0 + group);
-        dot_rows<K>(x.data() + g0, g1 - g0, &c, 1, d, scratch.data(), xc.data() + g0, sq.data() + g0);
-        A group_mx = -std::numeric_limits<A>::infinity();
-        for (int64_t j = g0; j < g1; ++j) {
-          const A r = rsqrt(sq[j] / A(d) + A(eps));
-          rstd[j * n_tok + n] = r;
-          score[j] = xc[j] * r;
-          group_mx = std::max(group_mx, score[j]);
-        }
-        const A new_mx = std::max(mx, group_mx);
-        const A scale = g0 == 0 ? A(0) : std::exp(mx - new_mx);  // rescales what earlier groups accumulated
-        z *= scale;
-        for (int64_t j = g0; j < g1; ++j) z += p[j] = std::exp(score[j] - new_mx);
-        mix_rows<K>(x.data() + g0, p.data() + g0, g1 - g0, g0 > 0, scale, d, acc.data());
-        mx = new_mx;
+      const auto [mx, inv_z] = forward_token<K>(x.data(), n_src, c, out_w, eps, out_eps, d, s, out + n * d);
+      for (int64_t j = 0; j < n_src; ++j) {
+        rstd[j * n_tok + n] = s.rstd[j];
+        weights[j * n_tok + n] = std::exp(s.score[j] - mx) * inv_z;
       }
-      const A inv_z = A(1) / z;
-      for (int64_t j = 0; j < n_src; ++j) weights[j * n_tok + n] = std::exp(score[j] - mx) * inv_z;
-      A factor = inv_z;
-      if (out_w != nullptr) factor *= rsqrt(sum_squares(acc.data(), d) * inv_z * inv_z / A(d) + A(out_eps));
-      store_row<K>(out + n * d, acc.data(), factor, out_w, d);
     }
   });
 }
@@ -550,6 +582,65 @@ void stats_backward_kernel(const typename K::acc* grad_z, Rows<const typename K:
     for (int64_t i = 0; i < n_q * d; ++i) dcs[i] += dcs_part[t * n_q * d + i];
 }
 
+// The fused inference ops of attnres/ops/bank.py, per token: the pending residual add (prefix += output, rounded to
+// the storage format as torch's add_ rounds it), at a write point the copy of the prefix into bank row nvb, then the
+// mixing. bank_aggregate mixes bank rows 0..nvb-1 and the prefix through forward_token, the one-shot forward's own
+// code, so its result is the one-shot op's over the same rows bit for bit; bank_merge merges the prefix's score into
+// phase-1 statistics (m, z, u) of the bank rows.
+template <class K>
+inline void add_row(typename K::raw* dst, const typename K::raw* src, int64_t d) {
+  constexpr int64_t w = kWidth<typename K::acc>;
+  int64_t i = 0;
+  for (; i + w <= d; i += w) K::vstore(dst + i, K::vload(dst + i) + K::vload(src + i));
+  for (; i < d; ++i) dst[i] = K::store(K::load(dst[i]) + K::load(src[i]));
+}
+
+template <class K>
+void bank_aggregate_kernel(Rows<typename K::raw> bank, int64_t row_stride, int64_t nvb,
+                           Rows<typename K::raw> prefix, Rows<const typename K::raw> output,
+                           const typename K::acc* c, const typename K::acc* out_w, double eps, double out_eps,
+                           bool write, int64_t n_tok, int64_t d, typename K::raw* out) {
+  using R = typename K::raw;
+  const int64_t n_src = nvb + 1;  // the bank rows and the prefix (which is bank row nvb at a write point)
+  at::parallel_for(0, n_tok, grain_size(n_src, d), [&](int64_t begin, int64_t end) {
+    ForwardScratch<typename K::acc> s(n_src, d);
+    std::vector<const R*> x(n_src);
+    for (int64_t n = begin; n < end; ++n) {
+      R* const pre = prefix[n];
+      if (output.data != nullptr) add_row<K>(pre, output[n], d);
+      if (write) std::memcpy(bank[n] + nvb * row_stride, pre, d * sizeof(R));
+      for (int64_t j = 0; j < nvb; ++j) x[j] = bank[n] + j * row_stride;
+      x[nvb] = pre;
+      forward_token<K>(x.data(), n_src, c, out_w, eps, out_eps, d, s, out + n * d);
+    }
+  });
+}
+
+// Per token: s = (c . x) rstd(x) for the prefix x, then with top = max(m, s), a = exp(m - top), b = exp(s - top):
+// mixture = (a u + b x) / (a z + b).
+template <class K>
+void bank_merge_kernel(const typename K::acc* m, const typename K::acc* z, Rows<const typename K::acc> u,
+                       Rows<typename K::raw> prefix, Rows<const typename K::raw> output, const typename K::acc* c,
+                       const typename K::acc* out_w, double eps, double out_eps, int64_t n_tok, int64_t d,
+                       typename K::raw* out) {
+  using A = typename K::acc;
+  at::parallel_for(0, n_tok, grain_size(2, d), [&](int64_t begin, int64_t end) {
+    std::vector<A> x(d), acc(d);
+    Vec<A> scratch[4];
+    for (int64_t n = begin; n < end; ++n) {
+      if (output.data != nullptr) add_row<K>(prefix[n], output[n], d);
+      load_row<K>(x.data(), prefix[n], d);
+      const A* rows[2] = {u[n], x.data()};
+      A xc, sq;
+      dot_rows<Plain<A>>(rows + 1, 1, &c, 1, d, scratch, &xc, &sq);
+      const A s = xc * rsqrt(sq / A(d) + A(eps)), top = std::max(m[n], s);
+      const A p[2] = {std::exp(m[n] - top), std::exp(s - top)};
+      mix_rows<Plain<A>>(rows, p, 2, false, A(0), d, acc.data());
+      store_mixture<K>(out + n * d, acc.data(), A(1) / (p[0] * z[n] + p[1]), out_w, out_eps, d);
+    }
+  });
+}
+
 // Calls f(K{}) with the storage format of `dtype`.
 template <class F>
 void dispatch(at::ScalarType dtype, F&& f) {
@@ -739,6 +830,88 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> depth_stats_bwd(const at::Tensor
   return {grads, dcs};
 }
 
+// Host side of the bank ops: the Python layer (attnres/ops/bank.py) has validated every argument, so this only takes
+// pointers, converting only what is not already in the kernels' layout (c and the gain in the accumulator dtype);
+// nothing is allocated but the result at decode sizes.
+template <class T>
+Rows<T> rows_in_place(const at::Tensor& t, int64_t n, int64_t d) {  // a [n, d] tensor, unit stride along d
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.size(0) == n && t.size(1) == d && (t.stride(1) == 1 || d == 1),
+              "attnres_cpu: expected CPU rows [", n, ", ", d, "] with unit stride along d");
+  return {static_cast<T*>(t.data_ptr()), t.stride(0)};
+}
+
+at::Tensor acc_vector(const at::Tensor& t, int64_t d, at::ScalarType acc) {  // [d] contiguous in the accumulator dtype
+  TORCH_CHECK(t.device().is_cpu() && t.numel() == d, "attnres_cpu: expected a CPU vector of ", d, " elements");
+  return t.scalar_type() == acc && t.dim() == 1 && t.is_contiguous() ? t : t.reshape({d}).to(acc).contiguous();
+}
+
+struct BankPoint {  // what both bank ops share: the prefix [N, d], the pending output, c, the output-norm gain
+  at::ScalarType dtype, acc;
+  int64_t n_tok, d;
+  at::Tensor output, c, out_w;
+
+  BankPoint(const at::Tensor& prefix, const std::optional<at::Tensor>& output_, const at::Tensor& c_,
+            const std::optional<at::Tensor>& out_norm_weight)
+      : dtype(prefix.scalar_type()), acc(dtype == at::kDouble ? at::kDouble : at::kFloat), n_tok(prefix.size(0)),
+        d(prefix.size(-1)) {
+    TORCH_CHECK(prefix.dim() == 2 && d > 0, "attnres_cpu: expected a prefix [N, d], d >= 1");
+    if (output_) {
+      TORCH_CHECK(output_->scalar_type() == dtype, "attnres_cpu: output must have the prefix's dtype");
+      output = output_->stride(-1) == 1 ? *output_ : output_->contiguous();
+    }
+    c = acc_vector(c_, d, acc);
+    if (out_norm_weight) out_w = acc_vector(*out_norm_weight, d, acc);
+  }
+  template <class T>
+  Rows<const T> output_rows() const {
+    return output.defined() ? rows_in_place<const T>(output, n_tok, d) : Rows<const T>{nullptr, 0};
+  }
+  template <class A>
+  const A* gain() const {
+    return out_w.defined() ? out_w.data_ptr<A>() : nullptr;
+  }
+};
+
+at::Tensor bank_aggregate(const at::Tensor& bank, int64_t nvb, const at::Tensor& prefix,
+                          const std::optional<at::Tensor>& output, const at::Tensor& c,
+                          const std::optional<at::Tensor>& out_norm_weight, double eps, double out_eps, bool write) {
+  BankPoint p(prefix, output, c, out_norm_weight);
+  TORCH_CHECK(bank.device().is_cpu() && bank.dim() == 3 && bank.size(0) == p.n_tok && bank.size(2) == p.d &&
+                  (bank.stride(2) == 1 || p.d == 1) && bank.scalar_type() == p.dtype,
+              "attnres_cpu: expected a bank [N, NB, d] of the prefix's dtype, unit stride along d");
+  TORCH_CHECK(0 <= nvb && nvb < bank.size(1) + (write ? 0 : 1), "attnres_cpu: nvb out of the bank's rows");
+  auto out = new_output({p.n_tok, p.d}, p.dtype);
+  dispatch(p.dtype, [&](auto k) {
+    using K = decltype(k);
+    using A = typename K::acc;
+    using R = typename K::raw;
+    const Rows<R> token_rows{static_cast<R*>(bank.data_ptr()), bank.stride(0)};
+    bank_aggregate_kernel<K>(token_rows, bank.stride(1), nvb, rows_in_place<R>(prefix, p.n_tok, p.d),
+                             p.output_rows<R>(), p.c.data_ptr<A>(), p.gain<A>(), eps, out_eps, write, p.n_tok, p.d,
+                             static_cast<R*>(out.data_ptr()));
+  });
+  return out;
+}
+
+at::Tensor bank_merge(const at::Tensor& m, const at::Tensor& z, const at::Tensor& u, const at::Tensor& prefix,
+                      const std::optional<at::Tensor>& output, const at::Tensor& c,
+                      const std::optional<at::Tensor>& out_norm_weight, double eps, double out_eps) {
+  BankPoint p(prefix, output, c, out_norm_weight);
+  TORCH_CHECK(m.numel() == p.n_tok && z.numel() == p.n_tok && u.dim() == 2, "attnres_cpu: expected m, z [N], u [N, d]");
+  auto mv = acc_vector(m, p.n_tok, p.acc), zv = acc_vector(z, p.n_tok, p.acc);
+  auto uv = u.scalar_type() == p.acc && u.stride(-1) == 1 ? u : u.to(p.acc).contiguous();
+  auto out = new_output({p.n_tok, p.d}, p.dtype);
+  dispatch(p.dtype, [&](auto k) {
+    using K = decltype(k);
+    using A = typename K::acc;
+    using R = typename K::raw;
+    bank_merge_kernel<K>(mv.data_ptr<A>(), zv.data_ptr<A>(), rows_in_place<const A>(uv, p.n_tok, p.d),
+                         rows_in_place<R>(prefix, p.n_tok, p.d), p.output_rows<R>(), p.c.data_ptr<A>(), p.gain<A>(),
+                         eps, out_eps, p.n_tok, p.d, static_cast<R*>(out.data_ptr()));
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnres_cpu, m) {
@@ -749,6 +922,10 @@ TORCH_LIBRARY(attnres_cpu, m) {
   m.def("depth_stats_fwd(Tensor[] sources, Tensor cs, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("depth_stats_bwd(Tensor grad_z, Tensor grad_u, Tensor[] sources, Tensor cs, Tensor m, Tensor rstd)"
         " -> (Tensor[], Tensor)");
+  m.def("bank_aggregate(Tensor(a!) bank, int nvb, Tensor(b!) prefix, Tensor? output, Tensor c, Tensor? out_norm_weight,"
+        " float eps, float out_eps, bool write) -> Tensor");
+  m.def("bank_merge(Tensor m, Tensor z, Tensor u, Tensor(a!) prefix, Tensor? output, Tensor c, Tensor? out_norm_weight,"
+        " float eps, float out_eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
@@ -756,4 +933,6 @@ TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("depth_attention_bwd", &depth_attention_bwd);
   m.impl("depth_stats_fwd", &depth_stats_fwd);
   m.impl("depth_stats_bwd", &depth_stats_bwd);
+  m.impl("bank_aggregate", &bank_aggregate);
+  m.impl("bank_merge", &bank_merge);
 }

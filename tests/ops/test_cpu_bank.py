@@ -1,0 +1,237 @@
+"""The fused CPU inference ops (`cpu_bank_aggregate`, `cpu_bank_merge`) against the unfused CPU path and the twins.
+
+`bank_aggregate` must give bit for bit what the unfused CPU path gives (`prefix.add_(output)`, the bank write, then
+the one-shot CPU forward over the same rows in the same order): tests/layers/test_bank_stream.py holds the inference
+stream bit-exact against the training stream, which that one-shot kernel serves. The prefix and the bank are
+compared bit for bit everywhere; the mixture against the twins to fp32 rounding plus one unit in the last place.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres.ops import backends, cpu
+from attnres.ops import bank as bank_ops
+from attnres.ops.naive import naive_bank_aggregate, naive_bank_merge, naive_depth_stats
+
+pytestmark = pytest.mark.skipif(cpu.disabled(), reason=f"{cpu.DISABLE_ENV} is set")
+
+EPS, OUT_EPS = 1e-6, 1e-5
+ULP = {torch.float64: 0.0, torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+NB = 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    assert cpu.available(), "the CPU kernel failed to build or load; the reason is in the log"
+
+
+@pytest.fixture
+def fused_calls(monkeypatch) -> list[str]:
+    """Names of the compiled ops called (the spy proves which op served a call, and that it was the only one)."""
+    calls, real = [], cpu._ops()
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(cpu, "_ops", Spy)
+    return calls
+
+
+def assert_mixture(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32 rounding of two orders of summation, plus one unit in the last place of the dtype."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    scale = expected.abs().max().item()
+    rtol = ULP[actual.dtype] + (1e-12 if actual.dtype == torch.float64 else 2e-5)
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=rtol * scale)
+
+
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view with padded token rows (and, for a bank, padded rows), unit stride along d."""
+    pad = torch.full((*t.shape[:-1], t.shape[-1] + 3), float("nan"), dtype=t.dtype)
+    if t.dim() == 3:
+        pad = torch.cat([pad, pad[:, :1]], 1)
+    view = pad[..., 1 : t.shape[-1] + 1] if t.dim() == 2 else pad[:, : t.shape[1], 1 : t.shape[-1] + 1]
+    view.copy_(t)
+    return view
+
+
+def make_point(N: int, d: int, dtype: torch.dtype, seed: int, *, layout: str = "contiguous") -> dict:
+    """A point's tensors: bank rows of distinct scales, a query giving order-one scores (a far from uniform softmax)."""
+    g = torch.Generator().manual_seed(seed)
+    randn = lambda *size: torch.randn(*size, generator=g, dtype=torch.float64)  # noqa: E731
+    t = {
+        "bank": (randn(N, NB, d) * (0.5 + torch.arange(NB) / 4)[:, None]).to(dtype),
+        "prefix": randn(N, d).to(dtype),
+        "output": randn(N, d).to(dtype),
+        "c": (randn(d) * 2 / d**0.5).to(torch.float64 if dtype == torch.float64 else torch.float32),
+        "ow": (1 + 0.5 * randn(d)).float(),
+    }
+    if layout == "strided":
+        t["bank"], t["prefix"] = strided(t["bank"]), strided(t["prefix"])
+        t["output"] = t["output"].t().contiguous().t()  # column-major: copied by the host code, not read in place
+    return t
+
+
+def clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy with t's strides (so the copy is read through the same layout)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(t) if t.dim() else t.clone()
+
+
+def unfused(bank, nvb, prefix, output, c, ow, write):
+    """The CPU path before the fused op: torch add_ and write, then the one-shot CPU forward over the rows."""
+    if output is not None:
+        prefix.add_(output)
+    if write:
+        bank[:, nvb] = prefix
+    rows = [bank[:, j] for j in range(nvb + 1 if write else nvb)] + ([] if write else [prefix])
+    return cpu.cpu_depth_attention_fwd(rows, c, ow, EPS, OUT_EPS)[0]
+
+
+# (N, d, layout): tokens for one thread and for several (N=300), d=1, odd d, a tail after whole registers, d=512
+SHAPES = [(1, 512, "contiguous"), (5, 7, "strided"), (300, 130, "contiguous"), (5, 1, "contiguous"),
+          (5, 512, "strided")]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"N{s[0]}-d{s[1]}-{s[2]}")
+@pytest.mark.parametrize("write", [False, True], ids=["read", "write"])
+@pytest.mark.parametrize("with_output,onorm", [(True, True), (False, True), (True, False)],
+                         ids=["add-onorm", "onorm", "add"])
+def test_bank_aggregate(fused_calls, dtype, shape, write, with_output, onorm):
+    N, d, layout = shape
+    nvb = 3
+    t = make_point(N, d, dtype, seed=N + d + write, layout=layout)
+    output, ow = t["output"] if with_output else None, t["ow"] if onorm else None
+    bank, prefix = clone(t["bank"]), clone(t["prefix"])
+    mix = bank_ops.bank_aggregate(bank, nvb, prefix, output, t["c"], ow, EPS, OUT_EPS, write)
+    assert fused_calls == ["bank_aggregate"] and backends.last_backend() == "cpu"
+
+    ref_bank, ref_prefix = clone(t["bank"]), clone(t["prefix"])
+    ref = unfused(ref_bank, nvb, ref_prefix, output, t["c"], ow, write)
+    assert torch.equal(prefix, ref_prefix), "the prefix after the pending add"
+    assert torch.equal(bank, ref_bank), "the bank: row nvb written at a write point, nothing else"
+    assert torch.equal(mix, ref), "the mixture: bit for bit the unfused CPU path's"
+
+    twin = naive_bank_aggregate(t["bank"], nvb, t["prefix"], output, t["c"], ow, EPS, OUT_EPS, write)
+    assert torch.equal(prefix, t["prefix"]) and torch.equal(bank, t["bank"])
+    assert_mixture(mix, twin)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
+@pytest.mark.parametrize("write", [False, True], ids=["prefix-alone", "write-row-0"])
+def test_bank_aggregate_without_bank_rows(dtype, write):
+    """nvb = 0: layer 0's point (the embedding written to row 0), or the prefix alone."""
+    t = make_point(3, 7, dtype, seed=11)
+    bank, prefix = t["bank"].clone(), t["prefix"].clone()
+    mix = cpu.cpu_bank_aggregate(bank, 0, prefix, t["output"], t["c"], t["ow"], EPS, OUT_EPS, write)
+    ref_bank, ref_prefix = t["bank"].clone(), t["prefix"].clone()
+    assert torch.equal(mix, unfused(ref_bank, 0, ref_prefix, t["output"], t["c"], t["ow"], write))
+    twin = naive_bank_aggregate(t["bank"], 0, t["prefix"], t["output"], t["c"], t["ow"], EPS, OUT_EPS, write)
+    assert torch.equal(prefix, t["prefix"]) and torch.equal(bank, t["bank"]) and torch.equal(bank, ref_bank)
+    assert_mixture(mix, twin)
+
+
+def test_bank_aggregate_fp64():
+    """fp64 (which the dispatch gives the torch path) in fp64 arithmetic, when called directly."""
+    t = make_point(5, 130, torch.float64, seed=3)
+    bank, prefix = t["bank"].clone(), t["prefix"].clone()
+    mix = cpu.cpu_bank_aggregate(bank, 3, prefix, t["output"], t["c"], t["ow"], EPS, OUT_EPS, True)
+    twin = naive_bank_aggregate(t["bank"], 3, t["prefix"], t["output"], t["c"], t["ow"], EPS, OUT_EPS, True)
+    assert torch.equal(prefix, t["prefix"]) and torch.equal(bank, t["bank"])
+    assert_mixture(mix, twin)
+
+
+MERGE_SHAPES = [(1, 512, "contiguous"), (5, 7, "strided"), (300, 130, "contiguous"), (5, 1, "contiguous")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", MERGE_SHAPES, ids=lambda s: f"N{s[0]}-d{s[1]}-{s[2]}")
+@pytest.mark.parametrize("with_output,onorm", [(True, True), (False, False)], ids=["add-onorm", "plain"])
+def test_bank_merge(fused_calls, monkeypatch, dtype, shape, with_output, onorm):
+    N, d, layout = shape
+    t = make_point(N, d, dtype, seed=N + d, layout=layout)
+    output, ow = t["output"] if with_output else None, t["ow"] if onorm else None
+    m, z, u = (s[0] for s in naive_depth_stats(bank_ops.bank_rows(t["bank"], 3), t["c"][None], eps=EPS))
+    args = (output, t["c"], ow, EPS, OUT_EPS)
+    prefix, torch_prefix = clone(t["prefix"]), clone(t["prefix"])
+    mix = bank_ops.bank_merge(m, z, u, prefix, *args)
+    assert fused_calls == ["bank_merge"] and backends.last_backend() == "cpu"
+    twin = naive_bank_merge(m, z, u, t["prefix"], *args)
+    assert torch.equal(prefix, t["prefix"]), "the prefix after the pending add"
+    assert_mixture(mix, twin)
+
+    monkeypatch.setenv(backends.BACKEND_ENV, "torch")  # the portable path of the same contract
+    assert_mixture(mix, bank_ops.bank_merge(m, z, u, torch_prefix, *args))
+    assert torch.equal(torch_prefix, prefix) and fused_calls == ["bank_merge"]
+
+
+def test_bank_merge_fp64():
+    t = make_point(5, 130, torch.float64, seed=4)
+    m, z, u = (s[0] for s in naive_depth_stats(bank_ops.bank_rows(t["bank"], 3), t["c"][None], eps=EPS))
+    prefix = t["prefix"].clone()
+    mix = cpu.cpu_bank_merge(m, z, u, prefix, t["output"], t["c"], t["ow"], EPS, OUT_EPS)
+    twin = naive_bank_merge(m, z, u, t["prefix"], t["output"], t["c"], t["ow"], EPS, OUT_EPS)
+    assert torch.equal(prefix, t["prefix"])
+    assert_mixture(mix, twin)
+
+
+def test_no_tokens():
+    t = make_point(0, 7, torch.float32, seed=0)
+    mix = cpu.cpu_bank_aggregate(t["bank"], 2, t["prefix"], t["output"], t["c"], t["ow"], EPS, OUT_EPS, True)
+    assert mix.shape == (0, 7)
+
+
+def _bad_cases():
+    t = make_point(2, 4, torch.float32, seed=0)
+    bank, prefix, output, c, ow = t["bank"], t["prefix"], t["output"], t["c"], t["ow"]
+    agg = lambda **kw: {"op": "aggregate", **dict(bank=bank, nvb=2, prefix=prefix, output=output, c=c,  # noqa: E731
+                                                 out_norm_weight=ow, eps=EPS, out_eps=OUT_EPS, write=True), **kw}
+    m, z, u = torch.zeros(2), torch.ones(2), torch.zeros(2, 4)
+    merge = lambda **kw: {"op": "merge", **dict(m=m, z=z, u=u, prefix=prefix, output=output, c=c,  # noqa: E731
+                                               out_norm_weight=ow, eps=EPS, out_eps=OUT_EPS), **kw}
+    return {
+        "prefix-1d": (agg(prefix=prefix[0]), ValueError, "prefix"),
+        "prefix-int": (agg(prefix=prefix.int()), TypeError, "prefix"),
+        "prefix-column-major": (agg(prefix=prefix.t().contiguous().t()), ValueError, "prefix"),
+        "prefix-not-a-tensor": (agg(prefix=[[0.0] * 4] * 2), TypeError, "prefix"),
+        "output-shape": (agg(output=output[:1]), ValueError, "output"),
+        "output-dtype": (agg(output=output.half()), ValueError, "output"),
+        "c-shape": (agg(c=c[:3]), ValueError, "c"),
+        "gain-shape": (agg(out_norm_weight=ow[None]), ValueError, "out_norm_weight"),
+        "bank-tokens": (agg(bank=bank[:1]), ValueError, "bank"),
+        "bank-d": (agg(bank=bank[..., :3]), ValueError, "bank"),
+        "bank-dtype": (agg(bank=bank.half()), ValueError, "bank"),
+        "bank-full": (agg(nvb=NB), ValueError, "nvb"),
+        "nvb-negative": (agg(nvb=-1), ValueError, "nvb"),
+        "nvb-float": (agg(nvb=1.0), TypeError, "nvb"),
+        "eps": (agg(eps=0.0), ValueError, "eps"),
+        "out-eps": (agg(out_eps="1e-5"), TypeError, "out_eps"),
+        "m-shape": (merge(m=m[None]), ValueError, "m"),
+        "u-shape": (merge(u=u[:, :3]), ValueError, "u"),
+        "z-int": (merge(z=z.int()), TypeError, "z"),
+    }
+
+
+BAD = _bad_cases()
+
+
+@pytest.mark.parametrize("case", list(BAD.values()), ids=list(BAD))
+def test_bad_arguments_name_the_argument(case):
+    kwargs, error, name = case
+    kwargs = dict(kwargs)
+    op = cpu.cpu_bank_aggregate if kwargs.pop("op") == "aggregate" else cpu.cpu_bank_merge
+    with pytest.raises(error, match=rf"^{name}:"):
+        op(**kwargs)
+
+
+def test_dispatch_validates_before_mutating():
+    t = make_point(2, 4, torch.float32, seed=0)
+    prefix = t["prefix"].clone()
+    with pytest.raises(ValueError, match="^nvb:"):
+        bank_ops.bank_aggregate(t["bank"], NB, prefix, t["output"], t["c"], None, EPS, OUT_EPS, True)
+    assert torch.equal(prefix, t["prefix"])
