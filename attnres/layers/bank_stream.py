@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from attnres.layers.streams import BlockStream
+from attnres.ops.backends import select_backend
 from attnres.ops.bank import bank_aggregate, bank_aggregate_op, bank_merge, bank_merge_op, bank_rows
 from attnres.ops.depth_attention import accumulator_dtype, flat_tokens
 from attnres.ops.two_phase import depth_stats_fwd
@@ -32,6 +33,11 @@ class BankStream(BlockStream):
         self.prefix = x  # never written in place: layer 0's point only copies it into bank row 0
         self.pending: torch.Tensor | None = None
         self._phase1_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # a stream's device and dtype never change: bind the backend's fused ops once, not at every point (at decode
+        # the lookup costs about as much as the fused op itself)
+        backend = select_backend(x)
+        self._aggregate = backend.bank_aggregate or bank_aggregate
+        self._merge = backend.bank_merge or bank_merge
 
     @torch.no_grad()
     def _read(self, norm):
@@ -46,10 +52,10 @@ class BankStream(BlockStream):
         if self._phase1_stats is not None and not write:
             t = self.point - self._phase1_start
             m, z, u = (s[t] for s in self._phase1_stats)
-            merge = bank_merge_op if torch.compiler.is_compiling() else bank_merge
+            merge = bank_merge_op if torch.compiler.is_compiling() else self._merge
             mix = merge(m, z, u, self.prefix, self.pending, c, out_w, point.eps, out_eps)
         else:
-            aggregate = bank_aggregate_op if torch.compiler.is_compiling() else bank_aggregate
+            aggregate = bank_aggregate_op if torch.compiler.is_compiling() else self._aggregate
             mix = aggregate(self.bank, self.nvb, self.prefix, self.pending, c, out_w, point.eps, out_eps, write)
         self.pending = None
         if write:
