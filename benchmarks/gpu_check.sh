@@ -42,7 +42,7 @@ done
 "$PYTHON" -c "import fla.ops.attnres" 2>/dev/null || echo "fla-core not importable: the benchmark runs without the peer"
 
 step "Triton kernel tests on CUDA"
-if ! timeout -k 10 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/ops/test_triton.py tests/ops/test_triton_bank.py; then
+if ! timeout -k 10 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/ops/test_triton.py tests/ops/test_triton_bank.py tests/ops/test_merge.py; then
     echo "KERNEL TESTS FAILED (or timed out)"
     status=1
 fi

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from attnres.layers.depth_attention import DepthAttention, RMSNorm
-from attnres.ops import depth_stats, finish_stats, merge_stats
+from attnres.ops import depth_stats, merge_prefix
 from attnres.ops.backends import TORCH, select_backend
 from attnres.ops.two_phase import SoftmaxStats
 
@@ -260,15 +260,16 @@ class BlockStream(ResidualStream):
     def _merge_prefix(self, point: DepthAttention, norm: RMSNorm | None, num_sources: int) -> torch.Tensor:
         """Phase 2: this point's phase-1 statistics, merged with its own prefix (none at the write point)."""
         t = self.point - self._phase1_start
-        stats = SoftmaxStats(*(s[t : t + 1] for s in self._phase1))
-        if self.prefix is not None:
-            stats = merge_stats(stats, depth_stats([self.prefix], point.proj.weight, point.norm.weight[None], eps=point.eps))
-        out = finish_stats(
-            stats,
-            None if norm is None else norm.weight,
+        out = merge_prefix(
+            SoftmaxStats(*(s[t] for s in self._phase1)),
+            self.prefix,
+            point.proj.weight,
+            point.norm.weight,
+            eps=point.eps,
+            out_norm_weight=None if norm is None else norm.weight,
             out_eps=point.eps if norm is None else self._out_eps(norm, num_sources),
             dtype=self.bank[0].dtype,
-        )[0]
+        )
         return out if norm is not None else self._finish_unfused(out, num_sources)
 
 

@@ -28,6 +28,8 @@ class Backend:
     stats_bwd: Callable | None = None
     bank_aggregate: Callable | None = None  # the fused inference ops of attnres.ops.bank, same contracts
     bank_merge: Callable | None = None
+    merge_fwd: Callable | None = None  # phase 2 of attnres.ops.merge (`attnres::merge_prefix_fwd/bwd`)
+    merge_bwd: Callable | None = None
     max_d: int | None = None  # widest hidden size the kernels take
     max_rows: int | None = None  # most sources or queries the phase-1 kernels take
 
@@ -58,6 +60,7 @@ def _triton_backend() -> Backend | None:
     return Backend(
         "triton", k.triton_depth_attention_fwd, k.triton_depth_attention_bwd, k.triton_depth_stats_fwd,
         k.triton_depth_stats_bwd, bank_aggregate=k.triton_bank_aggregate, bank_merge=k.triton_bank_merge,
+        merge_fwd=k.triton_merge_prefix_fwd, merge_bwd=k.triton_merge_prefix_bwd,
         max_d=k.MAX_D, max_rows=k.MAX_STATS_ROWS,
     )
 

@@ -2,7 +2,8 @@
 
 Each launcher has exactly the contract of the torch custom-op implementation it stands in for, so a dispatcher can
 route CUDA tensors here: `triton_depth_attention_fwd/bwd` for `attnres::depth_attention_fwd/bwd` and
-`triton_depth_stats_fwd/bwd` for `attnres::depth_stats_fwd/bwd`, and `triton_bank_aggregate/merge` for the fused
+`triton_depth_stats_fwd/bwd` for `attnres::depth_stats_fwd/bwd`, `triton_merge_prefix_fwd/bwd` for
+`attnres::merge_prefix_fwd/bwd` (phase 2), and `triton_bank_aggregate/merge` for the fused
 inference ops `attnres.ops.bank.bank_aggregate/merge`. They take float32, bfloat16 and float16 sources with
 d <= MAX_D, and at most MAX_STATS_ROWS queries or sources in the phase-1 kernels; anything else (fp64 for gradcheck,
 say) belongs to the torch path.
@@ -10,6 +11,7 @@ say) belongs to the torch path.
 
 from attnres.ops.triton.bank import triton_bank_aggregate, triton_bank_merge
 from attnres.ops.triton.depth_attention import MAX_D, triton_depth_attention_bwd, triton_depth_attention_fwd
+from attnres.ops.triton.merge import triton_merge_prefix_bwd, triton_merge_prefix_fwd
 from attnres.ops.triton.two_phase import MAX_STATS_ROWS, triton_depth_stats_bwd, triton_depth_stats_fwd
 
 __all__ = [
@@ -21,4 +23,6 @@ __all__ = [
     "triton_depth_attention_fwd",
     "triton_depth_stats_bwd",
     "triton_depth_stats_fwd",
+    "triton_merge_prefix_bwd",
+    "triton_merge_prefix_fwd",
 ]

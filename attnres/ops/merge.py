@@ -1,0 +1,233 @@
+"""Phase 2 of the two-phase computation as one op: a point's phase-1 statistics merged with its own prefix, finished.
+
+`merge_prefix` equals `finish_stats(merge_stats(stats, depth_stats([prefix], w, g)), o)` without ever storing the
+prefix's own `[N, d]` statistics. Per token, with (m_a, z_a, u_a) the point's phase-1 statistics, x the prefix and
+c = g * w the folded query:
+
+    r = rsqrt(mean(x^2) + eps),  s = (c . x) r,  M = max(m_a, s),  e_a = exp(m_a - M),  e_b = exp(s - M)
+    h = (e_a u_a + e_b x) / z  with  z = e_a z_a + e_b,   out = h, or o * h * rsqrt(mean(h^2) + out_eps)
+
+The shifts m_a, s (the prefix's own max, as in `depth_stats`) and M are stop-gradients, so e_a and e_b are constants
+for the backward and only the prefix's weight exp(s - stop(s)) = 1 carries ds. With dh the gradient reaching h
+(after the output norm's backward):
+
+    du = dh / z,  dz = -(du . h),  du_a = e_a du,  dz_a = e_a dz
+    coef = e_b (dz + du . x) r = e_a e_b (du . (z_a x - u_a)) r / z
+    dx = e_b du + coef c - coef s r / d * x,  dc = sum_tokens coef x
+The second form of coef is the one computed: in the first, du . x and du . h nearly cancel where the prefix
+dominates the mixture (h ~ x).
+
+Without a prefix it is just the finish: h = u_a / z_a. The backward recomputes h from the op's inputs (a token's
+row is all it needs), so nothing beyond the inputs is saved.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnres.ops.backends import select_backend
+from attnres.ops.checks import FLOAT_DTYPES, check_eps, check_vector
+from attnres.ops.depth_attention import fold_query, rms_normalize, rms_normalize_backward
+from attnres.ops.two_phase import SoftmaxStats
+
+
+def _merge(m, z, u, prefix, c, eps):
+    """(h `[N, d]`, merged z, e_a, e_b, the prefix x `[N, d]`, its score s and key rstd r), all `[N]` but h and x,
+    in u's (accumulator) dtype."""
+    x = prefix.to(u.dtype)
+    r = torch.rsqrt(x.square().mean(-1) + eps)
+    s = (x @ c) * r
+    top = torch.maximum(m, s)
+    ea, eb = torch.exp(m - top), torch.exp(s - top)
+    z = ea * z + eb
+    h = (ea.unsqueeze(-1) * u + eb.unsqueeze(-1) * x) / z.unsqueeze(-1)
+    return h, z, ea, eb, x, s, r
+
+
+def torch_merge_prefix_fwd(
+    m: torch.Tensor,
+    z: torch.Tensor,
+    u: torch.Tensor,
+    prefix: torch.Tensor | None,
+    c: torch.Tensor | None,
+    out_norm_weight: torch.Tensor | None,
+    eps: float,
+    out_eps: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Portable forward in torch ops. Contract of `merge_prefix_fwd`."""
+    h = u / z.unsqueeze(-1) if prefix is None else _merge(m, z, u, prefix, c, eps)[0]
+    if out_norm_weight is not None:
+        h = rms_normalize(h, out_norm_weight, out_eps)[0]
+    return h.to(dtype)
+
+
+@torch.library.custom_op("attnres::merge_prefix_fwd", mutates_args=())
+def merge_prefix_fwd(
+    m: torch.Tensor,
+    z: torch.Tensor,
+    u: torch.Tensor,
+    prefix: torch.Tensor | None,
+    c: torch.Tensor | None,
+    out_norm_weight: torch.Tensor | None,
+    eps: float,
+    out_eps: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """m, z `[N]`, u `[N, d]` (accumulator dtype), prefix `[N, d]` and c `[d]` (both or neither) -> out `[N, d]`."""
+    fwd = select_backend(u).merge_fwd or torch_merge_prefix_fwd
+    return fwd(m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype)
+
+
+@merge_prefix_fwd.register_fake
+def _(m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype):
+    return torch.empty_like(u, dtype=dtype)
+
+
+def torch_merge_prefix_bwd(
+    grad_out: torch.Tensor,
+    m: torch.Tensor,
+    z: torch.Tensor,
+    u: torch.Tensor,
+    prefix: torch.Tensor | None,
+    c: torch.Tensor | None,
+    out_norm_weight: torch.Tensor | None,
+    eps: float,
+    out_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Portable backward in torch ops. Contract of `merge_prefix_bwd`."""
+    if prefix is None:
+        h, z_merged = u / z.unsqueeze(-1), z
+    else:
+        h, z_merged, ea, eb, x, s, r = _merge(m, z, u, prefix, c, eps)
+    dh = grad_out.to(u.dtype)
+    d_out_w = u.new_empty(0)
+    if out_norm_weight is not None:
+        dh, d_out_w = rms_normalize_backward(dh, h, rms_normalize(h, None, out_eps)[1], out_norm_weight)
+    du = dh / z_merged.unsqueeze(-1)
+    dz = -(du * h).sum(-1)
+    if prefix is None:
+        return du, dz, u.new_empty(0), u.new_empty(0), d_out_w
+    coef = ea * eb * (du * (z.unsqueeze(-1) * x - u)).sum(-1) / z_merged * r
+    dx = eb.unsqueeze(-1) * du + coef.unsqueeze(-1) * c - (coef * s * r / u.shape[-1]).unsqueeze(-1) * x
+    return ea.unsqueeze(-1) * du, ea * dz, dx.to(prefix.dtype), coef @ x, d_out_w
+
+
+@torch.library.custom_op("attnres::merge_prefix_bwd", mutates_args=())
+def merge_prefix_bwd(
+    grad_out: torch.Tensor,
+    m: torch.Tensor,
+    z: torch.Tensor,
+    u: torch.Tensor,
+    prefix: torch.Tensor | None,
+    c: torch.Tensor | None,
+    out_norm_weight: torch.Tensor | None,
+    eps: float,
+    out_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns grads (u `[N, d]`, z `[N]`, prefix `[N, d]` in its dtype, c `[d]`, out_norm_weight `[d]`) in the
+    accumulator dtype but for the prefix's; m is a stop-gradient. A grad whose input is None is empty."""
+    bwd = select_backend(u).merge_bwd or torch_merge_prefix_bwd
+    return bwd(grad_out, m, z, u, prefix, c, out_norm_weight, eps, out_eps)
+
+
+@merge_prefix_bwd.register_fake
+def _(grad_out, m, z, u, prefix, c, out_norm_weight, eps, out_eps):
+    def grad_of(t, dtype):
+        return u.new_empty(0) if t is None else torch.empty_like(t, dtype=dtype)
+
+    dx = grad_of(prefix, None if prefix is None else prefix.dtype)
+    return torch.empty_like(u), torch.empty_like(z), dx, grad_of(c, u.dtype), grad_of(out_norm_weight, u.dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype = inputs
+    ctx.save_for_backward(m, z, u, prefix, c, out_norm_weight)
+    ctx.eps, ctx.out_eps = eps, out_eps
+    ctx.out_norm_dtype = None if out_norm_weight is None else out_norm_weight.dtype
+
+
+def _backward(ctx, grad_out):
+    m, z, u, prefix, c, out_norm_weight = ctx.saved_tensors
+    du, dz, dx, dc, d_out_w = merge_prefix_bwd(
+        grad_out.contiguous(), m, z, u, prefix, c, out_norm_weight, ctx.eps, ctx.out_eps
+    )
+    dx, dc = (None, None) if prefix is None else (dx, dc)
+    d_out_w = None if out_norm_weight is None else d_out_w.to(ctx.out_norm_dtype)
+    return None, dz, du, dx, dc, d_out_w, None, None, None
+
+
+merge_prefix_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_stats(stats: SoftmaxStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """m, z `[...]` and u `[..., d]`, one dtype (fp32, or fp64 for gradcheck), one device."""
+    if not isinstance(stats, tuple) or len(stats) != 3 or not all(isinstance(t, torch.Tensor) for t in stats):
+        raise TypeError(f"stats: expected a SoftmaxStats of three tensors (m, z, u), got {type(stats).__name__}")
+    m, z, u = stats
+    if u.dim() < 1 or u.shape[-1] == 0 or m.shape != u.shape[:-1] or z.shape != u.shape[:-1]:
+        raise ValueError(
+            f"stats: expected m, z of shape [...] and u of shape [..., d], got m {tuple(m.shape)}, "
+            f"z {tuple(z.shape)}, u {tuple(u.shape)}"
+        )
+    if u.dtype not in (torch.float32, torch.float64) or m.dtype != u.dtype or z.dtype != u.dtype:
+        raise TypeError(f"stats: expected m, z, u all float32 (or all float64), got {m.dtype}, {z.dtype}, {u.dtype}")
+    if m.device != u.device or z.device != u.device:
+        raise ValueError(f"stats: expected m, z, u on one device, got {m.device}, {z.device}, {u.device}")
+    return m, z, u
+
+
+def _check_prefix(prefix: torch.Tensor | None, u: torch.Tensor) -> None:
+    if prefix is None:
+        return
+    if not isinstance(prefix, torch.Tensor) or prefix.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"prefix: expected a floating tensor or None, got {getattr(prefix, 'dtype', type(prefix))}")
+    if prefix.shape != u.shape or prefix.device != u.device:
+        raise ValueError(
+            f"prefix: expected shape {tuple(u.shape)} on {u.device} (that of stats.u), "
+            f"got {tuple(prefix.shape)} on {prefix.device}"
+        )
+
+
+def merge_prefix(
+    stats: SoftmaxStats,
+    prefix: torch.Tensor | None,
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+    out_norm_weight: torch.Tensor | None = None,
+    out_eps: float = 1e-6,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Phase 2 of one point: its phase-1 statistics merged with its prefix, finished, in one pass per token.
+
+    Args:
+        stats: the point's phase-1 statistics of one query: m, z `[...]`, u `[..., d]` (fp32; fp64 for gradcheck).
+        prefix: the block's partial sum `[..., d]`, scored against the query and merged; None: finish only.
+        query: the point's pseudo-query w, `[d]` or `[1, d]`.
+        key_norm_weight: its key RMSNorm gain g `[d]`, or None for no gain.
+        eps: RMSNorm epsilon of the keys.
+        out_norm_weight: when given, the sublayer PreNorm o `[d]` is fused into the finish.
+        out_eps: epsilon of that output norm.
+        dtype: dtype of the result; None keeps u's.
+
+    Returns:
+        `finish_stats(merge_stats(stats, depth_stats([prefix], query, key_norm_weight)), out_norm_weight)` `[..., d]`.
+        Differentiable w.r.t. z, u, prefix, query and both gains; m is a stop-gradient shift.
+    """
+    m, z, u = _check_stats(stats)
+    d, device = u.shape[-1], u.device
+    _check_prefix(prefix, u)
+    check_vector("query", query, d, device, allow_rows=True)
+    check_vector("key_norm_weight", key_norm_weight, d, device)
+    check_vector("out_norm_weight", out_norm_weight, d, device)
+    eps, out_eps = check_eps("eps", eps), check_eps("out_eps", out_eps)
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype: expected one of {FLOAT_DTYPES} or None, got {dtype}")
+
+    c = None if prefix is None else fold_query(query, key_norm_weight, u.dtype)
+    x = None if prefix is None else prefix.reshape(-1, d)
+    dtype = u.dtype if dtype is None else dtype
+    out = merge_prefix_fwd(m.reshape(-1), z.reshape(-1), u.reshape(-1, d), x, c, out_norm_weight, eps, out_eps, dtype)
+    return out.reshape(u.shape)
