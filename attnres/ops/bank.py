@@ -24,7 +24,8 @@ import torch
 
 from attnres.ops.backends import select_backend
 from attnres.ops.checks import FLOAT_DTYPES, check_eps, check_vector
-from attnres.ops.depth_attention import rms_normalize, torch_depth_attention_fwd
+from attnres.ops.depth_attention import torch_depth_attention_fwd
+from attnres.ops.merge import torch_merge_prefix_fwd
 
 
 def bank_rows(bank: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -137,14 +138,7 @@ def bank_merge(
     if fused is not None:
         return fused(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps)
     _pending_add(prefix, output)
-    x = prefix.to(c.dtype)
-    s = (x @ c) * torch.rsqrt(x.square().mean(-1) + eps)
-    top = torch.maximum(m, s)
-    a, b = torch.exp(m - top), torch.exp(s - top)
-    mix = (a.unsqueeze(-1) * u + b.unsqueeze(-1) * x) / (a * z + b).unsqueeze(-1)
-    if out_norm_weight is not None:
-        mix = rms_normalize(mix, out_norm_weight, out_eps)[0]
-    return mix.to(prefix.dtype)
+    return torch_merge_prefix_fwd(m, z, u, prefix, c, out_norm_weight, eps, out_eps, prefix.dtype)  # training's phase 2
 
 
 # Registered as custom ops for torch.compile. Eager callers use the plain functions: the dispatch of a mutating
