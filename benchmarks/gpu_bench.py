@@ -1,5 +1,6 @@
-"""GPU benchmark of the Triton depth-attention kernels against flash-linear-attention's `fused_attnres`, and of the
-fused inference kernels (`bank_aggregate`, `bank_merge`) against the unfused path they replace.
+"""GPU benchmark of the Triton depth-attention kernels against flash-linear-attention's `fused_attnres`, of the
+fused inference kernels (`bank_aggregate`, `bank_merge`) against the unfused path they replace, and of two-phase's
+phase 2 (`merge_prefix`, forward + backward) against the composition it replaced.
 
 For each shape: the forward and the backward of `attnres.ops.triton` and of `fla.ops.attnres.fused_attnres` on the
 same inputs (their outputs are compared first), timed as medians of `triton.testing.do_bench` after warm-up and
@@ -74,6 +75,9 @@ BANK_SHAPES = [
     BankShape("K3 prefill, bank (N=16384, NB=8, d=7168)", 16384, 7168, 8),
 ]
 SMOKE_BANK_SHAPES = [BankShape("smoke bank d=100", 6, 100, 3)]
+# phase 2 of two-phase training (one point: prefix score, merge, finish, out norm), forward + backward
+MERGE_SHAPES = [Shape("training phase 2 (8x4096 tokens, d=4096)", 32768, 4096, 1, out_norm=True)]
+SMOKE_MERGE_SHAPES = [Shape("smoke phase 2 d=100", 12, 100, 1, out_norm=True)]
 EPS = 1e-6
 # first guess of the seconds one fla case takes on an H200 (a guess: nobody has timed it there yet)
 FLA_CASE_SECONDS = 200
@@ -311,6 +315,46 @@ def run_bank_shape(shape: BankShape, args, device: torch.device, rows: list[Row]
         del states, out, ref
 
 
+def run_merge_shape(shape: Shape, args, device: torch.device, rows: list[Row]) -> None:
+    """`merge_prefix` (one op, Triton on CUDA) against the composition it replaced (a phase-1 call on the prefix,
+    `merge_stats`, `finish_stats`), forward + backward, outputs and gradients compared first."""
+    from attnres.ops import SoftmaxStats, depth_stats, finish_stats, merge_prefix, merge_stats
+
+    n, d, dtype = shape.tokens, shape.dim, shape.dtype
+    e = torch.finfo(dtype).bits // 8
+    g = torch.Generator(device=device).manual_seed(0)
+    stats = depth_stats([torch.randn(n, d, device=device, generator=g, dtype=dtype) for _ in range(4)],
+                        torch.randn(1, d, device=device, generator=g) / d**0.5, torch.ones(1, d, device=device))
+    m, z, u = stats.m[0], stats.z[0].requires_grad_(), stats.u[0].requires_grad_()
+    x = torch.randn(n, d, device=device, generator=g, dtype=dtype).requires_grad_()
+    w = (torch.randn(d, device=device, generator=g) / d**0.5).requires_grad_()
+    gain, o = (torch.ones(d, device=device, requires_grad=True) for _ in range(2))
+    grad = torch.randn(n, d, device=device, generator=g, dtype=dtype)
+    leaves = [z, u, x, w, gain, o]
+
+    def fused():
+        out = merge_prefix(SoftmaxStats(m, z, u), x, w, gain, eps=EPS, out_norm_weight=o, out_eps=EPS, dtype=dtype)
+        return out, torch.autograd.grad(out, leaves, grad)
+
+    def composition():
+        own = depth_stats([x], w[None], gain[None], eps=EPS)
+        merged = merge_stats(SoftmaxStats(m[None], z[None], u[None]), own)
+        out = finish_stats(merged, o, out_eps=EPS, dtype=dtype)[0]
+        return out, torch.autograd.grad(out, leaves, grad)
+
+    (out, grads), (ref, ref_grads) = fused(), composition()
+    # z's gradient is left out: under the (scale-invariant) output norm it is zero up to rounding in both paths
+    err = max(relative_error(a, b) for i, (a, b) in enumerate(zip((out, *grads), (ref, *ref_grads))) if i != 1)
+    bytes_moved = (12 + 5 * e) * n * d  # forward: u, prefix, out; backward: u, prefix, grad, du, dx (fp32 u, du)
+    ms_fused, ms_composed = median_ms(fused, args.smoke), median_ms(composition, args.smoke)
+    for impl, ms in (("merge_prefix", ms_fused), ("composition", ms_composed)):
+        rate = gbps(bytes_moved, ms)
+        rows.append(Row(shape.name, impl, "f+b", ms, rate, rate / (args.peak_tbs * 1e3)))
+    print(f"  fwd+bwd: merge_prefix {ms_fused:.3f} ms ({gbps(bytes_moved, ms_fused):.0f} GB/s), composition"
+          f" {ms_composed:.3f} ms, speed-up {ms_composed / ms_fused:.2f}x; worst relative error {err:.1e}"
+          f" ({'agree' if err < 2e-2 else 'MISMATCH'})")
+
+
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
@@ -326,12 +370,12 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("TRITON_INTERPRET") != "1":
             print("--smoke needs TRITON_INTERPRET=1 in the environment (read when triton is imported)", file=sys.stderr)
             return 2
-        device, shapes, bank_shapes = torch.device("cpu"), SMOKE_SHAPES, SMOKE_BANK_SHAPES
+        device, shapes, bank_shapes, merge_shapes = torch.device("cpu"), SMOKE_SHAPES, SMOKE_BANK_SHAPES, SMOKE_MERGE_SHAPES
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: --smoke under TRITON_INTERPRET=1 checks the logic on CPU", file=sys.stderr)
             return 2
-        device, shapes, bank_shapes = torch.device("cuda"), SHAPES, BANK_SHAPES
+        device, shapes, bank_shapes, merge_shapes = torch.device("cuda"), SHAPES, BANK_SHAPES, MERGE_SHAPES
     try:
         import fla.ops.attnres  # noqa: F401
 
@@ -365,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
             report()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        for shape in merge_shapes:
+            print(f"{shape.name}, {str(shape.dtype)[6:]}, out norm:", flush=True)
+            run_merge_shape(shape, args, device, rows)
+            report()
         for shape in shapes:
             if budget.left() <= 0:
                 print(f"{shape.name}: skipped, deadline reached")
