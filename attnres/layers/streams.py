@@ -241,11 +241,11 @@ class BlockStream(ResidualStream):
             return False
         if self.two_phase is not None:
             return self.two_phase
-        one_shot = select_backend(row).name
-        # a backend with a one-shot kernel but no phase-1 kernel for these rows is faster one-shot than torch ops; so
-        # is the CPU kernel, phase-1 kernel and all: phase 2 (merge, finish) runs as torch ops, which cost more than
-        # the reads two-phase saves (measured 1.5x slower even where two_phase_pays, 32 layers, block size 4, d=512)
-        if one_shot == "cpu" or select_backend(row, stats_rows=max(rows, points)).name == TORCH.name != one_shot:
+        one_shot = select_backend(row)
+        # one-shot where the backend says two-phase never pays there, or where it has a one-shot kernel but no
+        # phase-1 kernel for these rows (its kernel beats torch ops)
+        phase1 = select_backend(row, stats_rows=max(rows, points))
+        if not one_shot.two_phase_can_pay or phase1.name == TORCH.name != one_shot.name:
             return False
         return two_phase_pays(rows, points, row.element_size())
 

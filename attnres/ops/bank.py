@@ -14,8 +14,8 @@ state owns them, so no new `[N, d]` buffer is made per point.
 
 Dispatch: a backend with fused kernels for these ops (Triton on CUDA, the compiled kernel on CPU) does the whole point
 in one call; otherwise (the torch backend, fp64) the pending add and the write are torch ops and the mixing is the
-backend's one-shot forward. The fused kernels' launchers validate their arguments with `check_bank_point` and
-`check_bank` / `check_stats` below.
+backend's one-shot forward. The fused kernels' launchers validate their arguments with the shared checks of
+`attnres.ops.checks` (`check_bank_point`, `check_bank`, `check_stats`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from attnres.ops.backends import select_backend
-from attnres.ops.checks import FLOAT_DTYPES, check_eps, check_vector
 from attnres.ops.depth_attention import torch_depth_attention_fwd
 from attnres.ops.merge import torch_merge_prefix_fwd
 
@@ -31,61 +30,6 @@ from attnres.ops.merge import torch_merge_prefix_fwd
 def bank_rows(bank: torch.Tensor, n: int) -> list[torch.Tensor]:
     """The first n bank rows as `[N, d]` views (no copy)."""
     return [bank[:, j] for j in range(n)]
-
-
-def check_bank_point(
-    prefix: torch.Tensor,
-    output: torch.Tensor | None,
-    c: torch.Tensor,
-    out_norm_weight: torch.Tensor | None,
-    eps: float,
-    out_eps: float,
-) -> tuple[int, int]:
-    """(N, d) of a point's prefix `[N, d]` (unit stride along d, as it is written in place), with an output of its
-    shape and dtype or None, c and the output-norm gain `[d]` and positive epsilons; raises ValueError/TypeError."""
-    if not isinstance(prefix, torch.Tensor) or prefix.dtype not in FLOAT_DTYPES:
-        got = getattr(prefix, "dtype", type(prefix).__name__)
-        raise TypeError(f"prefix: expected a floating tensor [N, d], got {got}")
-    if prefix.dim() != 2 or prefix.shape[1] == 0 or (prefix.stride(1) != 1 and prefix.shape[1] != 1):
-        raise ValueError(f"prefix: expected [N, d] with d >= 1 and unit stride along d, got shape "
-                         f"{tuple(prefix.shape)} and strides {prefix.stride()}")
-    n, d = prefix.shape
-    if output is not None and not (isinstance(output, torch.Tensor) and output.shape == prefix.shape
-                                   and output.dtype == prefix.dtype and output.device == prefix.device):
-        raise ValueError(f"output: expected None or a tensor of the prefix's shape {tuple(prefix.shape)}, dtype "
-                         f"{prefix.dtype} and device, got {output!r:.120}")
-    check_vector("c", c, d, prefix.device)
-    check_vector("out_norm_weight", out_norm_weight, d, prefix.device)
-    check_eps("eps", eps)
-    check_eps("out_eps", out_eps)
-    return n, d
-
-
-def check_bank(bank: torch.Tensor, nvb: int, prefix: torch.Tensor, write: bool) -> None:
-    """A bank `[N, NB, d]` like the prefix (unit stride along d) with nvb valid rows (and row nvb free at a write)."""
-    n, d = prefix.shape
-    if not (isinstance(bank, torch.Tensor) and bank.dim() == 3 and bank.shape[0] == n and bank.shape[2] == d
-            and (bank.stride(2) == 1 or d == 1) and bank.dtype == prefix.dtype and bank.device == prefix.device):
-        raise ValueError(f"bank: expected a [{n}, NB, {d}] {prefix.dtype} tensor on {prefix.device} with unit stride "
-                         f"along d, got {tuple(getattr(bank, 'shape', ()))} {getattr(bank, 'dtype', type(bank))}")
-    if isinstance(nvb, bool) or not isinstance(nvb, int):
-        raise TypeError(f"nvb: expected an int, got {type(nvb).__name__}")
-    most = bank.shape[1] - 1 if write else bank.shape[1]
-    if not 0 <= nvb <= most:
-        raise ValueError(f"nvb: expected 0 <= nvb <= {most} for a bank of {bank.shape[1]} rows "
-                         f"({'a write point needs row nvb' if write else 'read point'}), got {nvb}")
-
-
-def check_stats(m: torch.Tensor, z: torch.Tensor, u: torch.Tensor, prefix: torch.Tensor) -> None:
-    """Phase-1 statistics of the prefix's N tokens: m, z `[N]` and u `[N, d]`, floating, on the prefix's device."""
-    n, d = prefix.shape
-    for name, t, shape in (("m", m, (n,)), ("z", z, (n,)), ("u", u, (n, d))):
-        if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name}: expected a floating tensor of shape {list(shape)}, got "
-                            f"{getattr(t, 'dtype', type(t).__name__)}")
-        if t.shape != shape or t.device != prefix.device:
-            raise ValueError(f"{name}: expected shape {list(shape)} on {prefix.device}, got {tuple(t.shape)} on "
-                             f"{t.device}")
 
 
 def _pending_add(prefix: torch.Tensor, output: torch.Tensor | None) -> None:

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from attnres.ops.bank import check_bank, check_bank_point, check_stats
+from attnres.ops.checks import check_bank, check_bank_point, check_stats
 from attnres.ops.cpu.build import build_library
 
 DISABLE_ENV = "ATTNRES_DISABLE_CPU_KERNEL"

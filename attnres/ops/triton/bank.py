@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnres.ops.checks import check_bank, check_bank_point, check_stats
 from attnres.ops.triton.depth_attention import (
     MAX_D,
     TORCH_TO_TRITON,
@@ -28,6 +29,7 @@ from attnres.ops.triton.depth_attention import (
     contiguous_or_none,
     distinct_tiles,
     online_softmax_update,
+    output_norm,
     padded_width,
     score_source,
     tile_configs,
@@ -53,16 +55,6 @@ def pending_add(prefix_ptrs, output, offsets, mask, HAS_OUTPUT: tl.constexpr, DT
         p = round_to(p.to(tl.float32) + tl.load(output + offsets, mask=mask, other=0.0).to(tl.float32), DTYPE)
         tl.store(prefix_ptrs, p, mask=mask)
     return p
-
-
-@triton.jit
-def output_norm(mix, out_weight, cols, col_ok, out_eps, D: tl.constexpr, OUT_NORM: tl.constexpr):
-    """o * RMSNorm(mix) over each token's row, or mix itself (fp32 `[BLOCK_T, D_PAD]`)."""
-    if OUT_NORM:
-        rstd = tl.rsqrt(tl.sum(mix * mix, 1) / D + out_eps)
-        o = tl.load(out_weight + cols, mask=col_ok, other=0.0).to(tl.float32)
-        mix = mix * rstd[:, None] * o[None, :]
-    return mix
 
 
 @triton.autotune(
@@ -140,21 +132,13 @@ def bank_merge_kernel(
     tl.store(out + offsets, round_to(mix, DTYPE), mask=mask)
 
 
-def _check_prefix(prefix: torch.Tensor, output: torch.Tensor | None, c: torch.Tensor) -> tuple[int, int]:
-    """(N, d) of a prefix `[N, d]` the kernels take, with an output of its shape and dtype and c `[d]`."""
-    if prefix.dtype not in TORCH_TO_TRITON:
+def _check_point(prefix, output, c, out_norm_weight, eps, out_eps) -> tuple[int, int]:
+    """(N, d) of a point the kernels take: the shared checks of the bank ops, then the kernels' own limits."""
+    if isinstance(prefix, torch.Tensor) and prefix.dtype not in TORCH_TO_TRITON:
         raise TypeError(f"prefix: the Triton kernels take float32, bfloat16 or float16, got {prefix.dtype}")
-    if prefix.dim() != 2 or prefix.stride(1) != 1:
-        raise ValueError(f"prefix: expected a [N, d] tensor with contiguous rows, got shape {tuple(prefix.shape)} "
-                         f"and strides {prefix.stride()}")
-    n, d = prefix.shape
+    n, d = check_bank_point(prefix, output, c, out_norm_weight, eps, out_eps)
     if d > MAX_D:
         raise ValueError(f"prefix: the Triton kernels hold rows of at most d={MAX_D} channels, got d={d}")
-    if output is not None and (output.shape != prefix.shape or output.dtype != prefix.dtype):
-        raise ValueError(f"output: expected the prefix's shape {tuple(prefix.shape)} and dtype {prefix.dtype}, got "
-                         f"{tuple(output.shape)} {output.dtype}")
-    if c.shape != (d,):
-        raise ValueError(f"c: expected shape [{d}], got {tuple(c.shape)}")
     return n, d
 
 
@@ -172,14 +156,8 @@ def triton_bank_aggregate(
     """Contract of `bank_aggregate`: bank `[N, NB, d]` (rows of d contiguous), prefix `[N, d]` (rows contiguous),
     output `[N, d]` or None, c `[d]`; mutates prefix (and bank row nvb when `write`) and returns the (normed) mixture
     `[N, d]` in the prefix's dtype."""
-    n, d = _check_prefix(prefix, output, c)
-    if bank.dim() != 3 or bank.shape[0] != n or bank.shape[2] != d or bank.stride(2) != 1 or bank.dtype != prefix.dtype:
-        raise ValueError(f"bank: expected [{n}, NB, {d}] {prefix.dtype} with contiguous rows, got shape "
-                         f"{tuple(bank.shape)}, strides {bank.stride()}, {bank.dtype}")
-    most = bank.shape[1] - 1 if write else bank.shape[1]
-    if not 0 <= nvb <= most:
-        raise ValueError(f"nvb: expected 0 <= nvb <= {most} for a bank of {bank.shape[1]} rows "
-                         f"({'a write point needs row nvb' if write else 'read point'}), got {nvb}")
+    n, d = _check_point(prefix, output, c, out_norm_weight, eps, out_eps)
+    check_bank(bank, nvb, prefix, write)
     out = torch.empty((n, d), dtype=prefix.dtype, device=prefix.device)
     if n > 0:
         bank_aggregate_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_T"]),)](
@@ -205,10 +183,8 @@ def triton_bank_merge(
     """Contract of `bank_merge`: the bank's statistics m, z `[N]` and u `[N, d]` (fp32), prefix `[N, d]` (rows
     contiguous), output `[N, d]` or None, c `[d]`; mutates prefix and returns the (normed) mixture `[N, d]` in the
     prefix's dtype."""
-    n, d = _check_prefix(prefix, output, c)
-    if m.shape != (n,) or z.shape != (n,) or u.shape != (n, d):
-        raise ValueError(f"m, z, u: expected shapes [{n}], [{n}], [{n}, {d}], got {tuple(m.shape)}, "
-                         f"{tuple(z.shape)}, {tuple(u.shape)}")
+    n, d = _check_point(prefix, output, c, out_norm_weight, eps, out_eps)
+    check_stats(m, z, u, prefix)
     out = torch.empty((n, d), dtype=prefix.dtype, device=prefix.device)
     if n > 0:
         stats = (s.float().contiguous() for s in (m, z, u))

@@ -106,6 +106,16 @@ def load_source(table, j, offsets, mask, DTYPE: tl.constexpr, ALIGNED: tl.conste
 
 
 @triton.jit
+def output_norm(mix, out_weight, cols, col_ok, out_eps, D: tl.constexpr, OUT_NORM: tl.constexpr):
+    """o * RMSNorm(mix) over each token's row, or mix itself (fp32 `[BLOCK_T, D_PAD]`)."""
+    if OUT_NORM:
+        rstd = tl.rsqrt(tl.sum(mix * mix, 1) / D + out_eps)
+        o = tl.load(out_weight + cols, mask=col_ok, other=0.0).to(tl.float32)
+        mix = mix * rstd[:, None] * o[None, :]
+    return mix
+
+
+@triton.jit
 def score_source(x, cv, eps, D: tl.constexpr):
     """(key rstd, score) `[BLOCK_T]` of a source tile x `[BLOCK_T, D_PAD]` (fp32) against the folded query cv."""
     r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
@@ -159,11 +169,7 @@ def depth_attention_fwd_kernel(
         s = tl.load(weights + j * n64 + rows, mask=row_ok, other=0.0)
         tl.store(weights + j * n64 + rows, tl.exp(s - m) * inv_z, mask=row_ok)
 
-    mix = acc * inv_z[:, None]
-    if OUT_NORM:
-        mix_rstd = tl.rsqrt(tl.sum(mix * mix, 1) / D + out_eps)
-        ow = tl.load(out_weight + cols, mask=col_ok, other=0.0).to(tl.float32)
-        mix = mix * mix_rstd[:, None] * ow[None, :]
+    mix = output_norm(acc * inv_z[:, None], out_weight, cols, col_ok, out_eps, D, OUT_NORM)
     tl.store(out + offsets, mix.to(DTYPE), mask=mask)
 
 

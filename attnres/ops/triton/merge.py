@@ -22,6 +22,7 @@ from attnres.ops.triton.depth_attention import (
     distinct_tiles,
     flat_sources,
     num_programs,
+    output_norm,
     padded_width,
     score_source,
     tile_configs,
@@ -64,10 +65,7 @@ def merge_prefix_fwd_kernel(
         x = tl.load(prefix + offsets, mask=mask, other=0.0).to(tl.float32)
         cv = tl.load(c + cols, mask=col_ok, other=0.0)
         zs, us, _, _, _, _ = merge_tile(tl.load(m + rows, mask=row_ok, other=0.0), zs, us, x, cv, eps, D)
-    h = us / zs[:, None]
-    if OUT_NORM:
-        h_rstd = tl.rsqrt(tl.sum(h * h, 1) / D + out_eps)
-        h = h * h_rstd[:, None] * tl.load(out_weight + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    h = output_norm(us / zs[:, None], out_weight, cols, col_ok, out_eps, D, OUT_NORM)
     tl.store(out + offsets, h.to(OUT_DTYPE), mask=mask)
 
 
