@@ -88,12 +88,12 @@ class DepthAttention(nn.Module):
 
     @torch.no_grad()
     def folded_query(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """c = g * w (`[d]`) for inference, cached until either weight changes in place, is replaced or moves."""
-        w, g = self.proj.weight, self.norm.weight
-        key = (w.data_ptr(), w._version, g.data_ptr(), g._version, dtype, w.device)
-        if self._fold_cache is None or self._fold_cache[0] != key:
-            self._fold_cache = (key, fold_query(w, g, dtype))
-        return self._fold_cache[1]
+        """c = g * w (`[d]`) in `dtype`, from the weights as they are now: computed at every call, never cached.
+
+        One `[d]` multiply. A cache would have to know when a weight changed, and nothing reliable tells it: fused
+        optimizers and `.data` writes change a weight in place without bumping its version counter (DESIGN 11).
+        """
+        return fold_query(self.proj.weight, self.norm.weight, dtype)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.proj.weight)

@@ -69,15 +69,21 @@ def test_bank_stream_unfused_reads_return_the_mixture():
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_folded_query_cache_follows_weight_changes():
+def test_folded_query_is_computed_from_the_weights_at_every_read():
     L, S, d = 3, 1, 8
     points, norms, mats = _stack(L, d, seed=3)
     emb = torch.randn(5, d)
     with torch.no_grad():
         _run(make_stream("block", emb, L, points, block_size=S, inference=True), norms, mats)
-        points[4].proj.weight.mul_(-3.0)  # in-place change after a forward: the cached fold must not be reused
-        points[5].norm.weight = torch.nn.Parameter(torch.rand(d))  # replaced parameter
+        # changes that bump no version counter (as fused optimizers do), and a replaced parameter
+        points[4].proj.weight.data.mul_(-3.0)
+        points[2].norm.weight.data.copy_(torch.rand(d))
+        points[5].norm.weight = torch.nn.Parameter(torch.rand(d))
         ref = _run(make_stream("block", emb, L, points, block_size=S), norms, mats)
         out = _run(make_stream("block", emb, L, points, block_size=S, inference=True), norms, mats)
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(points[4].folded_query(), (points[4].proj.weight[0] * points[4].norm.weight).float())
+    for point in points:
+        assert torch.equal(point.folded_query(), point.proj.weight[0] * point.norm.weight)
+    c = points[4].folded_query()
+    points[4].proj.weight.data.mul_(2.0)
+    assert torch.equal(points[4].folded_query(), 2 * c)  # a fresh tensor at every call, never one held over
