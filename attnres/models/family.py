@@ -108,11 +108,17 @@ def _refuse(family: str, reason: str) -> FamilyRefused:
     )
 
 
-def _scale(added: torch.Tensor, output: torch.Tensor) -> float | None:
-    """The constant c with added == c * output (up to rounding), or None."""
+def _scale(added: torch.Tensor, output: torch.Tensor, layer: nn.Module) -> float | None:
+    """The constant c with added == c * output (up to rounding), or None. Where the layer holds that constant as an
+    attribute (Granite's `residual_multiplier`), its exact value; 1.0 for a plain residual add."""
     a, o = added.double().flatten(), output.double().flatten()
     c = float((a @ o) / (o @ o))
-    return c if torch.allclose(a, c * o, rtol=1e-4, atol=1e-4 * float(o.abs().max())) else None
+    if not torch.allclose(a, c * o, rtol=1e-4, atol=1e-4 * float(o.abs().max())):
+        return None
+    for exact in (1.0, *(v for v in vars(layer).values() if isinstance(v, float))):
+        if abs(c - exact) <= 1e-5 * abs(exact):
+            return exact
+    return c
 
 
 def plan_layer(
@@ -165,7 +171,7 @@ def plan_layer(
         nxt = calls[i].input if i < len(calls) else out
         if any(c.input is hidden for c in calls[i:]) or any(c.input is chain[0].output for c in calls[i:]):
             raise _refuse(family, "feeds its attention and its MLP the same input (a parallel residual)")
-        scale = _scale(nxt.float() - residual.float(), chain[-1].output.float())
+        scale = _scale(nxt.float() - residual.float(), chain[-1].output.float(), layer)
         if scale is None:
             raise _refuse(family, f"does not add the output of {chain[-1].name!r} to the residual")
         sides.append(_sublayer(layer, layer_cls, family, dim, chain, scale, kwargs))
@@ -227,3 +233,34 @@ def run_sublayer(layer: nn.Module, side: Sublayer, x: torch.Tensor, kwargs: dict
         out = getattr(layer, name)(out)
         out = out[0] if is_tuple else out
     return out * side.scale if side.scale != 1.0 else out
+
+
+class _Captured(Exception):
+    pass
+
+
+def check_family_model(lm: nn.Module, family: str) -> None:
+    """Refuse, with the reason, a family causal LM `lm` whose first decoder layer AttnRes cannot rewire: its layer is
+    planned as `plan_layer` does, on the inputs the family's own base model gives it (one short forward, stopped
+    there)."""
+    base = lm.base_model
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise ValueError(f"base model: the {family!r} model keeps no decoder `layers` list")
+    seen = {}
+
+    def capture(module, args, kwargs):
+        seen["hidden"], seen["kwargs"] = (args[0], kwargs) if args else (kwargs.pop("hidden_states"), kwargs)
+        raise _Captured
+
+    embed = lm.get_input_embeddings()
+    ids = (torch.arange(PROBE_TOKENS, device=embed.weight.device) % embed.weight.shape[0])[None]
+    handle = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            base(input_ids=ids, use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    plan_layer(layers[0], type(layers[0]), family, seen["hidden"].shape[-1], seen["hidden"], seen["kwargs"])

@@ -29,16 +29,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from attnres.models.configuration_attnres import AttnResConfig
 from attnres.models.loading import check_bank_layout, check_loaded_weights, saved_config
-from attnres.models.wiring import (
-    OUTPUT_POINT,
-    AttnResDecoderLayer,
-    ForwardState,
-    KeyNorm,
-    NamedPoint,
-    PseudoQuery,
-    add_points,
-    probe_input,
-)
+from attnres.layers import KeyNorm, NamedPoint, PseudoQuery
+from attnres.models.wiring import OUTPUT_POINT, AttnResDecoderLayer, ForwardState, add_points, probe_input
 
 
 @dataclass
@@ -100,7 +92,9 @@ class AttnResPreTrainedModel(PreTrainedModel):
         """The family's own causal LM, its decoder layers swapped for AttnRes layers (same children, same names), and
         for Full and Block the final read's parameters on its base model."""
         lm = _family_lm_class(config)(config.text_config)
-        base = lm.model
+        base = lm.base_model
+        if not isinstance(getattr(base, "layers", None), nn.ModuleList):
+            raise ValueError(f"base_model_type: the {config.base_model_type!r} model keeps no decoder `layers` list")
         dim, eps = config.hidden_size, _key_norm_eps(config.text_config)
         base.layers = nn.ModuleList(
             AttnResDecoderLayer(layer, i, config.residual, dim, eps) for i, layer in enumerate(base.layers)
@@ -138,6 +132,17 @@ class AttnResPreTrainedModel(PreTrainedModel):
             raise RuntimeError("plan_layers: the model's weights are still on the meta device; load them first")
         with torch.no_grad():
             self.model(input_ids=probe_input(self), use_cache=False, attn_res=self.forward_state(probe=True))
+        if any(layer.sides is None for layer in self.model.layers):
+            raise ValueError(
+                f"base_model_type: the {self.config.base_model_type!r} model does not pass its keyword arguments on to "
+                f"its decoder layers, so AttnRes cannot hand them the residual state"
+            )
+        prefix = _family_lm_class(self.config).base_model_prefix
+        if prefix != "model":
+            raise ValueError(
+                f"base_model_type: the {self.config.base_model_type!r} causal LM keeps its base model as {prefix!r}; "
+                f"AttnRes models keep it as 'model' (the Llama layout) and support those families only"
+            )
 
     def initialize_weights(self):
         """The family's init for its modules; zero pseudo-queries and unit key gains for ours (transformers' guarded
@@ -218,7 +223,7 @@ class AttnResModel(AttnResPreTrainedModel):
 
     def __init__(self, config: AttnResConfig):
         super().__init__(config)
-        self.model = self._build_family(config).model
+        self.model = self._build_family(config).base_model
         self.post_init()
         self._plan_unless_meta()
 
@@ -271,7 +276,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         for name, value in vars(lm).items():  # plain attributes the family head reads (router_aux_loss_coef, ...)
             if not name.startswith("_") and name not in ("training", "config"):
                 setattr(self, name, value)
-        self.model, self.lm_head = lm.model, lm.lm_head
+        self.model, self.lm_head = lm.base_model, lm.lm_head
         self.post_init()
         self._plan_unless_meta()
 

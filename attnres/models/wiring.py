@@ -18,61 +18,12 @@ import torch
 from torch import nn
 
 from attnres.layers import ResidualStream, make_stream
-from attnres.layers.depth_attention import DepthAttention
+from attnres.layers.depth_attention import KeyNorm, NamedPoint, PseudoQuery
 from attnres.models.family import PROBE_TOKENS, Sublayer, plan_layer, run_sublayer
 
 # Kimi K3 names of the two aggregation points of a decoder layer, and of the final read on the base model
 SIDE_NAMES = ("self_attention_res", "mlp_res")
 OUTPUT_POINT = "output_attn_res"
-
-
-class PseudoQuery(nn.Module):
-    """An aggregation point's query `w`, stored as a `[1, d]` weight (the K3 layout). Zero-initialised, so training
-    starts from the uniform mean of the sources. Not an `nn.Linear`: it is never applied as one, and PEFT's
-    `target_modules="all-linear"` must not wrap it."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(1, dim))
-
-    def extra_repr(self) -> str:
-        return f"1, {self.weight.shape[1]}"
-
-
-class KeyNorm(nn.Module):
-    """The RMSNorm gain `g` of an aggregation point's keys (`[d]`, ones). Only its weight and eps are used: the
-    depth attention folds it into the query (DESIGN section 3) and never forms the normed keys."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
-
-
-class NamedPoint:
-    """An aggregation point over a query and key norm owned by a module, looked up by name at every use, so a module
-    swapped in on the owner (PEFT's `modules_to_save`, quantisation, user code) is the one that computes."""
-
-    __slots__ = ("owner", "proj_name", "norm_name")
-    forward = __call__ = DepthAttention.forward
-
-    def __init__(self, owner: nn.Module, prefix: str):
-        self.owner, self.proj_name, self.norm_name = owner, f"{prefix}_proj", f"{prefix}_norm"
-
-    @property
-    def proj(self) -> nn.Module:
-        return getattr(self.owner, self.proj_name)
-
-    @property
-    def norm(self) -> nn.Module:
-        return getattr(self.owner, self.norm_name)
-
-    @property
-    def eps(self) -> float:
-        return self.norm.eps
 
 
 def add_points(owner: nn.Module, prefixes: Sequence[str], dim: int, eps: float) -> tuple[NamedPoint, ...]:
