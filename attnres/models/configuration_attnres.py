@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import fields
 
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers import AutoConfig, PreTrainedConfig
+from transformers.activations import ACT2FN
 from transformers.configuration_utils import SubConfigSpec
 
 from attnres.layers import RESIDUAL_KINDS
@@ -19,6 +21,9 @@ LLAMA_DEFAULTS = dict(
     num_attention_heads=8,
     max_position_embeddings=2048,
     rms_norm_eps=1e-6,
+    bos_token_id=None,  # a model trained from scratch has no special tokens unless given
+    eos_token_id=None,
+    pad_token_id=None,
 )
 # flat fields of configs written by attnres 0.1 that a Llama config cannot carry (they were Qwen2/Qwen3/Mistral)
 _LEGACY_FIELDS = {"qk_norm": False, "attention_output_bias": None, "sliding_window": None}
@@ -87,10 +92,14 @@ class AttnResConfig(PreTrainedConfig):
                 raise ValueError(f"text_config: pass the family's fields inside it, not beside it (got {sorted(family)})")
         else:
             base = self.base_model_type or (self.text_config or {}).get("model_type", "llama")
-            _check_legacy(family)
+            if base == "llama":
+                _check_legacy(family)
             defaults = LLAMA_DEFAULTS if base == "llama" else {}
             self.text_config = {**defaults, **(self.text_config or {}), **family, "model_type": base}
-        super().__post_init__(**kwargs)  # reads nothing through: `__getattr__` serves family fields only after it
+        try:  # builds the family's config, which validates its own fields; reads nothing through `__getattr__` yet
+            super().__post_init__(**kwargs)
+        except StrictDataclassClassValidationError as error:  # a ValueError with the family's own message
+            raise ValueError(f"{base_name(self.text_config)}: {error.__cause__ or error}") from error
         self.base_model_type = self.text_config.model_type
         self.__dict__["_reads_through"] = True
         self._check()
@@ -112,12 +121,46 @@ class AttnResConfig(PreTrainedConfig):
         if self.residual not in RESIDUAL_KINDS:
             raise ValueError(f"residual: expected one of {RESIDUAL_KINDS}, got {self.residual!r}")
         size = self.attn_res_block_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        bad_size = isinstance(size, bool) or not isinstance(size, int) or size < 1
+        if self.residual == "block" and bad_size:
             raise ValueError(f"attn_res_block_size: expected a positive number of decoder layers per block, got {size!r}")
         for name in ("hidden_size", "num_hidden_layers"):
             value = getattr(self.text_config, name, None)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer in the {self.base_model_type} config, got {value!r}")
+        _check_attention_fields(self.text_config)
+
+
+def _check_attention_fields(config) -> None:
+    """Settings of the usual family fields that would otherwise fail deep inside a forward (each checked where the
+    family has the field)."""
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    head_dim = getattr(config, "head_dim", None)
+    if isinstance(heads, int) and head_dim is None and config.hidden_size % heads:
+        raise ValueError(
+            f"hidden_size: {config.hidden_size} is not divisible by num_attention_heads={heads}, so the heads cannot "
+            f"split it evenly (or set head_dim)"
+        )
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        raise ValueError(
+            f"num_attention_heads: {heads} is not divisible by num_key_value_heads={kv_heads}, so query heads cannot "
+            f"share key/value heads in equal groups"
+        )
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(heads, int) and isinstance(rope, dict) and rope.get("partial_rotary_factor", 1.0) == 1.0:
+        size = head_dim or config.hidden_size // heads
+        if isinstance(size, int) and size % 2:
+            raise ValueError(f"head_dim: the head size = {size} must be even for rotary positions")
+    eps = getattr(config, "rms_norm_eps", None)
+    if eps is not None and not eps > 0:
+        raise ValueError(f"rms_norm_eps: expected a positive number, got {eps}")
+    act = getattr(config, "hidden_act", None)
+    if isinstance(act, str) and act not in ACT2FN:
+        raise ValueError(f"hidden_act: expected an activation transformers knows (ACT2FN), got {act!r}")
+
+
+def base_name(text_config) -> str:
+    return f"text_config ({text_config.get('model_type') if isinstance(text_config, dict) else text_config.model_type})"
 
 
 def _check_legacy(family: dict) -> None:

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from attnres.models.configuration_attnres import AttnResConfig
@@ -34,7 +35,7 @@ from attnres.models.wiring import OUTPUT_POINT, AttnResDecoderLayer, ForwardStat
 
 
 @dataclass
-class AttnResModelOutput(MoeModelOutputWithPast):
+class AttnResModelOutput(BaseModelOutputWithPast):
     """The family's base-model output (`last_hidden_state` after the final norm, `cache`, ...) and:
 
     depth_weights, depth_mixtures (`output_depth_weights=True`): what each of the 2L + 1 aggregation points saw, in
@@ -46,18 +47,22 @@ class AttnResModelOutput(MoeModelOutputWithPast):
         the next aggregation point (layer i + 1's attention side, or the final read after the last layer) hands its
         norm, i.e. the mixture m of DESIGN section 3 (times the number of sources with `attn_res_rescale_mixture`), not
         the block prefix. For "standard" it is the residual sum after layer i, the usual capture. Not detached.
+    router_logits: MoE families, as theirs.
     """
 
+    router_logits: tuple[torch.Tensor, ...] | None = None
     depth_weights: list[torch.Tensor] | None = None
     depth_mixtures: list[torch.Tensor] | None = None
     captured_hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
-class AttnResCausalLMOutput(MoeCausalLMOutputWithPast):
+class AttnResCausalLMOutput(CausalLMOutputWithPast):
     """The family's causal-LM output (`loss`, `logits`, `cache`, and for MoE families `aux_loss`, `router_logits`)
     plus the extra fields of [`AttnResModelOutput`]."""
 
+    aux_loss: torch.Tensor | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
     depth_weights: list[torch.Tensor] | None = None
     depth_mixtures: list[torch.Tensor] | None = None
     captured_hidden_states: tuple[torch.Tensor, ...] | None = None
@@ -205,6 +210,18 @@ def _check_lengths(config, input_ids, inputs_embeds, attention_mask, cache) -> N
             )
 
 
+def _cache_argument(cache, kwargs: dict):
+    """The KV cache, passed as `cache` (transformers 5) or under its older name `past_key_values`."""
+    legacy = kwargs.pop("past_key_values", None)
+    if legacy is not None:
+        if cache is not None:
+            raise ValueError("cache, past_key_values: pass the KV cache once (past_key_values is its older name)")
+        cache = legacy
+    if cache is not None and not isinstance(cache, Cache):
+        raise TypeError(f"cache: expected a transformers Cache such as DynamicCache, got {type(cache).__name__}")
+    return cache
+
+
 def _with_depth_outputs(output, state: ForwardState, output_cls):
     """The family's output with the AttnRes fields of `state` added."""
     if not isinstance(output, dict):  # return_dict=False: the family's tuple
@@ -246,7 +263,9 @@ class AttnResModel(AttnResPreTrainedModel):
         **kwargs,
     ) -> AttnResModelOutput:
         """The family base model's forward (its arguments), through the AttnRes residual; see [`AttnResModelOutput`]."""
-        cache = kwargs.pop("past_key_values", cache)
+        cache = _cache_argument(cache, kwargs)
+        if use_cache is None and self.training:
+            use_cache = False  # a training step starts no KV cache
         _check_lengths(self.config, input_ids, inputs_embeds, attention_mask, cache)
         self.plan_layers()
         state = self.forward_state(output_depth_weights=output_depth_weights, capture_layers=capture_layers)
@@ -309,7 +328,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         """The family causal LM's forward (its arguments: logits `[batch, seq, vocab]`, or the last `logits_to_keep`
         positions; with labels `[batch, seq]`, -100 ignored, the mean next-token loss), through the AttnRes residual;
         `output_depth_weights` and `capture_layers` as in [`AttnResModelOutput`]."""
-        cache = kwargs.pop("past_key_values", cache)
+        cache = _cache_argument(cache, kwargs)
+        if use_cache is None and self.training:
+            use_cache = False  # a training step starts no KV cache
         _check_lengths(self.config, input_ids, inputs_embeds, attention_mask, cache)
         self.plan_layers()
         state = self.forward_state(output_depth_weights=output_depth_weights, capture_layers=capture_layers)

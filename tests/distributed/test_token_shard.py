@@ -15,7 +15,7 @@ def _tiny_block_model() -> AttnResForCausalLM:
     torch.manual_seed(0)
     model = AttnResForCausalLM(config).eval()
     with torch.no_grad():  # non-zero pseudo-queries: the depth softmax is not uniform
-        for point in model.model.aggregation_points():
+        for point in model.aggregation_points():
             point.proj.weight.normal_()
     return model
 

@@ -90,7 +90,7 @@ def test_sampling_is_seeded_and_unchanged_by_the_cache(tiny_config):
 
 
 def test_sliding_window_cache_keeps_the_window_and_matches_no_cache(tiny_config):
-    model = random_model(tiny_config, sliding_window=3)
+    model = random_model(tiny_config, base_model_type="mistral", sliding_window=3)
     ids = torch.randint(1, 64, (2, 6))
     cached = model.generate(ids, max_new_tokens=8, do_sample=False)
     uncached = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False)
@@ -100,7 +100,7 @@ def test_sliding_window_cache_keeps_the_window_and_matches_no_cache(tiny_config)
     assert cache.layers[0].is_sliding and cache.layers[0].keys.shape[-2] == 2  # DynamicCache keeps window - 1 keys
     far = ids.clone()
     far[:, 0] = (ids[:, 0] + 1) % 64
-    window_one = random_model(tiny_config, sliding_window=1)  # each position sees only itself: no token mixing
+    window_one = random_model(tiny_config, base_model_type="mistral", sliding_window=1)  # each position sees only itself: no token mixing
     with torch.no_grad():
         a, b = window_one(ids).logits, window_one(far).logits
     assert torch.equal(a[:, 1:], b[:, 1:]) and not torch.equal(a[:, 0], b[:, 0])
