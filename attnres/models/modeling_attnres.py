@@ -115,16 +115,17 @@ class AttnResPreTrainedModel(PreTrainedModel):
         return [point for layer in self.model.layers for point in layer.points] + list(self.final_point)
 
     def forward_state(
-        self, *, output_depth_weights: bool = False, capture_layers: Sequence[int] | None = None, probe: bool = False
+        self, *, output_depth_weights: bool = False, capture_layers: Sequence[int] | None = None, **options
     ) -> ForwardState:
-        """The state of one forward (Block takes the fused bank path when no gradient is recorded)."""
+        """The state of one forward (Block takes the fused bank path when no gradient is recorded); `options`: the
+        other fields of `ForwardState` (probe, start, stop, resume_from)."""
         return ForwardState(
             self.config,
             self.aggregation_points(),
             record_weights=output_depth_weights,
             capture=_check_capture_layers(capture_layers, self.config.num_hidden_layers),
             inference=not torch.is_grad_enabled(),
-            probe=probe,
+            **options,
         )
 
     @torch.compiler.disable
@@ -333,7 +334,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             use_cache = False  # a training step starts no KV cache
         _check_lengths(self.config, input_ids, inputs_embeds, attention_mask, cache)
         self.plan_layers()
-        state = self.forward_state(output_depth_weights=output_depth_weights, capture_layers=capture_layers)
+        state = kwargs.pop("attn_res", None)  # a caller that wants the stream afterwards (token sharding) passes one
+        if state is None:
+            state = self.forward_state(output_depth_weights=output_depth_weights, capture_layers=capture_layers)
         out = self._family_lm_forward(
             self,
             input_ids=input_ids,

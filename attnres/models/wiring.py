@@ -57,7 +57,9 @@ class ForwardState:
 
     points: the 2L + 1 aggregation points in schedule order (None for "standard"); record_weights: keep every
     point's depth weights and pre-norm mixture; capture: decoder layers whose drafter hidden state to keep;
-    inference: Block takes the fused bank path; probe: read each layer's plan from the family layer instead.
+    inference: Block takes the fused bank path; probe: read each layer's plan from the family layer instead;
+    start, stop: run decoder layers start .. stop - 1 only (a pipeline chunk), resuming at `start` from the
+    `stream.state()` (rows, head) of a stream that ran the layers before it.
     """
 
     config: object
@@ -66,12 +68,19 @@ class ForwardState:
     capture: Sequence[int] = ()
     inference: bool = False
     probe: bool = False
+    start: int = 0
+    stop: int | None = None
+    resume_from: tuple[list[torch.Tensor], torch.Tensor | None] | None = None
     stream: ResidualStream | None = None
     captured: dict = field(default_factory=dict)
 
+    def runs(self, layer_idx: int) -> bool:
+        return self.start <= layer_idx < (self.config.num_hidden_layers if self.stop is None else self.stop)
+
     def begin(self, embedding: torch.Tensor) -> ResidualStream:
+        """The stream of this forward, started at layer `start` from the embedding (or from `resume_from`)."""
         config = self.config
-        self.stream = make_stream(
+        stream = make_stream(
             config.residual,
             embedding,
             config.num_hidden_layers,
@@ -82,7 +91,12 @@ class ForwardState:
             record_weights=self.record_weights,
             inference=self.inference,
         )
-        return self.stream
+        if self.stop is not None:
+            stream.stop_layer = self.stop  # phase 1 scores only the points of the layers this forward runs
+        if self.start:
+            stream.resume(self.start, *self.resume_from)
+        self.stream = stream
+        return stream
 
 
 class AttnResDecoderLayer(nn.Module):
@@ -117,7 +131,9 @@ class AttnResDecoderLayer(nn.Module):
             raise TypeError(f"{type(self).__name__}: pass every argument after hidden_states by keyword")
         if attn_res.probe:
             return self._probe(hidden_states, kwargs, attn_res.config.base_model_type)
-        stream = attn_res.stream if self.layer_idx else attn_res.begin(hidden_states)
+        if not attn_res.runs(self.layer_idx):
+            return hidden_states
+        stream = attn_res.stream if self.layer_idx > attn_res.start else attn_res.begin(hidden_states)
         kwargs = self._drop_cache_if_checkpointing(kwargs)
         for k, side in enumerate(self.sides):
             if k == 0 and self.layer_idx - 1 in attn_res.capture:
