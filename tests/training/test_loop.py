@@ -156,7 +156,7 @@ def test_run_folder_holds_config_log_and_checkpoint(tmp_path):
     result = train(config)
     saved = json.loads((result.run_dir / "config.json").read_text())
     assert saved["train"]["residual"] == "full" and saved["train"]["attn_res_lr_mult"] == 0.1
-    assert saved["model"]["residual"] == "full" and saved["model"]["hidden_size"] == 16
+    assert saved["model"]["residual"] == "full" and saved["model"]["text_config"]["hidden_size"] == 16
     assert saved["data"]["vocab_size"] == 256 and saved["data"]["train_tokens"] + saved["data"]["val_tokens"] > 30_000
     assert saved["num_params"] == result.num_params == sum(p.numel() for p in result.model.parameters())
     assert "git" in saved["environment"] and saved["environment"]["device"] == "cpu"
@@ -188,7 +188,7 @@ def test_existing_run_is_neither_overwritten_nor_resumed_as_a_different_run(tmp_
         (dict(data="/no/such/corpus"), r"data: no such file or directory: /no/such/corpus"),
         (dict(residual="dense"), r"residual: expected one of standard, full, block, got 'dense'"),
         (dict(block_size=0), r"block_size: expected an integer >= 1, got 0"),
-        (dict(dim=18, heads=4), r"hidden_size: 18 is not divisible by num_attention_heads=4"),
+        (dict(dim=18, heads=4), r"hidden size \(18\) is not a multiple of the number of attention heads \(4\)"),
         (dict(lr=float("nan")), r"lr: expected a number > 0, got nan"),
     ],
     ids=["seq-longer-than-val", "seq-longer-than-train", "missing-data", "residual", "block-size", "heads", "lr"],
