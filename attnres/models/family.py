@@ -22,7 +22,6 @@ a clear message when one changes):
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 from dataclasses import dataclass
 
@@ -51,6 +50,7 @@ class Sublayer:
     body: str
     body_args: tuple[str, ...]
     body_extra: bool
+    layer_args: frozenset[str]  # the layer forward's own argument names (the rest of its kwargs pass through)
     body_kwarg_input: bool
     tuple_output: bool
     post: tuple[tuple[str, bool], ...]  # (child name, returns a tuple)
@@ -206,6 +206,7 @@ def _sublayer(layer, layer_cls, family, dim, chain: list[_Call], scale: float, l
         body=body.name,
         body_args=tuple(n for n in body.kwargs if n in params and n != "hidden_states"),
         body_extra=_EXTRA in body.kwargs,
+        layer_args=frozenset(params),
         body_kwarg_input=body.kwarg_input,
         tuple_output=body.tuple_output,
         post=tuple((c.name, c.tuple_output) for c in chain[chain.index(body) + 1 :]),
@@ -213,7 +214,6 @@ def _sublayer(layer, layer_cls, family, dim, chain: list[_Call], scale: float, l
     )
 
 
-@functools.cache  # a property of the class's code
 def layer_parameters(layer_cls: type) -> dict[str, inspect.Parameter]:
     """The named parameters of the family decoder layer's forward (not its `**kwargs`)."""
     params = inspect.signature(layer_cls.forward).parameters
@@ -225,8 +225,7 @@ def run_sublayer(layer: nn.Module, side: Sublayer, x: torch.Tensor, kwargs: dict
     body = getattr(layer, side.body)
     args = {name: kwargs[name] for name in side.body_args if name in kwargs}
     if side.body_extra:
-        params = layer_parameters(layer.family_layer_cls)
-        args.update((name, value) for name, value in kwargs.items() if name not in params)
+        args.update((name, value) for name, value in kwargs.items() if name not in side.layer_args)
     out = body(hidden_states=x, **args) if side.body_kwarg_input else body(x, **args)
     out = out[0] if side.tuple_output else out
     for name, is_tuple in side.post:
