@@ -128,11 +128,14 @@ class AttnResPreTrainedModel(PreTrainedModel):
             **options,
         )
 
+    def is_planned(self) -> bool:
+        return all(layer.sides is not None for layer in self.model.layers)
+
     @torch.compiler.disable
     def plan_layers(self) -> None:
         """Read every decoder layer's two sublayers from the family's own layer (`attnres.models.family`) and check
         them numerically; an unsupported family raises a ValueError here. Runs once, at the first forward."""
-        if all(layer.sides is not None for layer in self.model.layers):
+        if self.is_planned():
             return
         if any(p.is_meta for p in self.parameters()):
             raise RuntimeError("plan_layers: the model's weights are still on the meta device; load them first")
@@ -268,7 +271,8 @@ class AttnResModel(AttnResPreTrainedModel):
         if use_cache is None and self.training:
             use_cache = False  # a training step starts no KV cache
         _check_lengths(self.config, input_ids, inputs_embeds, attention_mask, cache)
-        self.plan_layers()
+        if not self.is_planned():  # checked here, so that a compiled forward of a planned model never calls out
+            self.plan_layers()
         state = self.forward_state(output_depth_weights=output_depth_weights, capture_layers=capture_layers)
         out = self.model(
             input_ids=input_ids,
@@ -333,7 +337,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         if use_cache is None and self.training:
             use_cache = False  # a training step starts no KV cache
         _check_lengths(self.config, input_ids, inputs_embeds, attention_mask, cache)
-        self.plan_layers()
+        if not self.is_planned():  # checked here, so that a compiled forward of a planned model never calls out
+            self.plan_layers()
         state = kwargs.pop("attn_res", None)  # a caller that wants the stream afterwards (token sharding) passes one
         if state is None:
             state = self.forward_state(output_depth_weights=output_depth_weights, capture_layers=capture_layers)
