@@ -28,14 +28,9 @@ __all__ = [
     "naive_depth_stats",
 ]
 
-# The models import transformers (seconds), so they load on first use rather than with `import attnres`.
-_MODELS = ("AttnResConfig", "AttnResForCausalLM", "AttnResModel", "convert_from_hf")
-__all__ += list(_MODELS)
+# Importing the models registers "attnres" with transformers' Auto classes (AutoConfig, AutoModel,
+# AutoModelForCausalLM), so `import attnres` is all a saved folder needs to load through them, and through the tools
+# built on them (pipeline, Trainer, lm-evaluation-harness), without trust_remote_code. It imports transformers.
+from attnres.models import AttnResConfig, AttnResForCausalLM, AttnResModel, convert_from_hf  # noqa: E402
 
-
-def __getattr__(name: str):
-    if name in _MODELS:
-        import attnres.models
-
-        return getattr(attnres.models, name)
-    raise AttributeError(f"module 'attnres' has no attribute {name!r}")
+__all__ += ["AttnResConfig", "AttnResForCausalLM", "AttnResModel", "convert_from_hf"]

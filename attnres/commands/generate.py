@@ -9,13 +9,16 @@ def register(sub) -> None:
     p = sub.add_parser(
         "generate",
         help="stream text from a saved AttnRes model (save_pretrained or `attnres convert` folder, or a training run)",
-        description="Loads the folder's AttnResForCausalLM (safetensors; no code is executed) and its tokenizer: the "
-        "folder's Hugging Face tokenizer if it holds one, else the byte-level tokenizer of `attnres train`. Prints "
-        "the prompt, then the continuation as it is generated, with the KV cache.",
+        description="Loads the folder's model with AutoModelForCausalLM and its tokenizer with AutoTokenizer "
+        "(safetensors; no code is executed); a folder without a tokenizer gets the byte-level one of `attnres train`. "
+        "A training run folder loads its final/ folder, or its latest checkpoint while it has none. Prints the "
+        "prompt, then the continuation as it is generated, with the KV cache.",
     )
     p.add_argument("--model", required=True, metavar="DIR", help="model folder or training run folder")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens to generate at most, lowered (with a note on stderr) to the positions the model's "
+                   "context leaves after the prompt (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 is greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling probability mass (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
@@ -24,8 +27,11 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from transformers.utils import logging as hf_logging
+
     from attnres.inference import generate_text, load_for_generation
 
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar before the text
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_for_generation(args.model, device)
     generate_text(

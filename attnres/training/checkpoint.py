@@ -42,6 +42,35 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None
     _fsync_dir(path.parent)
 
 
+def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Call `write(tmp_dir)` on an empty temporary folder beside `path`, fsync its files, then rename it to `path`.
+
+    A folder already at `path` is first renamed aside and removed once the new one is in place, so a reader sees
+    the old complete folder, or (for the instant between the two renames) none, or the new complete one; never a
+    partial one. The temporary folder is removed if `write` fails.
+    """
+    path = Path(path)
+    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}.{os.getpid()}")
+    old = path.with_name(f"{_TMP_PREFIX}{path.name}.old.{os.getpid()}")
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write(tmp)
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                _fsync(file)
+        _fsync_dir(tmp)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(path.parent)
+    return path
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from attnres.tokenization import BYTE_VOCAB_SIZE, SEPARATOR_ID
+
 STDLIB = "stdlib"  # the `data` value that selects the default corpus
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _SNIFF_BYTES = 8192
@@ -35,11 +37,12 @@ class ByteTokenizer:
 
     The NUL byte (id 0) separates documents. Text files never contain it (a file with NUL bytes is not read as
     text), so it acts as an end-of-document token without growing the vocabulary past 256.
+    `attnres.tokenization.byte_tokenizer()` is the same tokenizer as a transformers one (a run's `final/` holds it).
     """
 
     name = "bytes"
-    vocab_size = 256
-    separator_id = 0
+    vocab_size = BYTE_VOCAB_SIZE
+    separator_id = SEPARATOR_ID
 
     def encode(self, document: bytes) -> torch.Tensor:
         """`[n]` uint8 ids of one document."""

@@ -1,9 +1,11 @@
 """`train(config) -> RunResult`: one training run, in-process, from data to checkpoints.
 
 The run folder (see `attnres.training.run_folder`) holds `config.json`, `log.jsonl` (see
-`attnres.training.logs`) and `checkpoints/`. A resumed run (`resume=True`) restores the weights, the optimizer,
-the step, the data sampler's generator and the RNG state from the latest checkpoint, so it ends with the same
-parameters, bit for bit, as a run that was never stopped.
+`attnres.training.logs`), `checkpoints/` and, once the last step is done, `final/`: the model and its tokenizer as a
+standard transformers folder (`AutoModelForCausalLM.from_pretrained(run_dir / "final")` after `import attnres`).
+A resumed run (`resume=True`) restores the weights, the optimizer, the step, the data sampler's generator and the
+RNG state from the latest checkpoint, so it ends with the same parameters, bit for bit, as a run that was never
+stopped.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from attnres.training.config import TrainConfig
 from attnres.training.data import WindowSampler, check_fits, eval_batches, load_tokenizer, read_corpus, tokenize_and_split
 from attnres.training.logs import RunLog, read_log
 from attnres.training.optim import build_optimizer, lr_factor, set_lr
-from attnres.training.run_folder import CHECKPOINTS, describe_run, prepare_run_dir
+from attnres.training.run_folder import CHECKPOINTS, describe_run, prepare_run_dir, save_final
 
 
 class TrainingDiverged(RuntimeError):
@@ -142,7 +144,7 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
     autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
     log = RunLog(run_dir) if ranks.is_main else _NoLog()
 
-    step = 0
+    step, weights = 0, None
     if config.resume:
         if state is not None:
             load_optimizer_state(model, optimizer, state["optimizer"], config.parallel)
@@ -205,7 +207,12 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
             bar.update(1)
     finally:
         bar.close()
-    barrier(ranks, "finishing")  # the last checkpoint is complete before any rank returns
+    if step == config.steps and hasattr(model, "save_pretrained"):  # complete: model and tokenizer as final/
+        if weights is None:  # a finished run resumed: this invocation ran no step
+            weights = checkpoint_state(model, optimizer, config.parallel)[0]
+        full = None if isinstance(weights, nn.Module) else weights.state_dict()  # fsdp: gathered on rank 0
+        on_main(lambda: save_final(run_dir, model, tokenizer, config.seq_len, state_dict=full), ranks)
+    barrier(ranks, "finishing")  # the last checkpoint and final/ are complete before any rank returns
 
     if not val_history:  # resumed a run that had already reached its end: report its last evaluation
         val_history = [(r["step"], r["val_loss"]) for r in read_log(run_dir, "eval") if r["step"] == step]

@@ -1,8 +1,15 @@
-"""The run folder: `config.json` (what the run is), `log.jsonl` (what it did), `checkpoints/` (where it is).
+"""The run folder: `config.json` (what the run is), `log.jsonl` (what it did), `checkpoints/` (where it is), and
+once the run has reached its last step, `final/` (what it made: a standard transformers folder).
 
 `config.json` records every setting, the model config, the data (tokenizer, split sizes, a fingerprint of the
 tokens), and the environment (device, autocast, torch, Python, git commit), so a result can be traced to the
 code and data that produced it. A resumed run must match it in everything that changes the parameters.
+
+`final/` holds `config.json`, `model.safetensors`, `generation_config.json` and the tokenizer's files, written by
+`save_pretrained` into a temporary folder and renamed into place. With `import attnres` (which registers the Auto
+classes) `AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained` and
+`pipeline("text-generation", model=...)` load it; the byte-level tokenizer is saved as the transformers tokenizer of
+`attnres.tokenization.byte_tokenizer()`, with the same ids.
 """
 
 from __future__ import annotations
@@ -16,12 +23,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from attnres.training.checkpoint import atomic_write_text, checkpoint_name, latest_checkpoint, load_checkpoint
+from attnres.training.checkpoint import (
+    atomic_write_dir, atomic_write_text, checkpoint_name, latest_checkpoint, load_checkpoint,
+)
 from attnres.training.config import RESUMABLE_CHANGES, TrainConfig
 from attnres.training.logs import LOG_FILE
 
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
+FINAL = "final"
 
 
 def describe_run(config: TrainConfig, model: nn.Module, data: dict, device: torch.device,
@@ -51,7 +61,7 @@ def prepare_run_dir(run_dir: Path, config: TrainConfig, run_info: dict) -> None:
     starts one, so a preemptible job can always pass it.
     """
     saved_path = run_dir / CONFIG_FILE
-    holds_run = any((run_dir / name).exists() for name in (CONFIG_FILE, LOG_FILE, CHECKPOINTS))
+    holds_run = any((run_dir / name).exists() for name in (CONFIG_FILE, LOG_FILE, CHECKPOINTS, FINAL))
     if config.resume and saved_path.exists():
         saved = json.loads(saved_path.read_text(encoding="utf-8"))
         changed = [
@@ -72,9 +82,57 @@ def prepare_run_dir(run_dir: Path, config: TrainConfig, run_info: dict) -> None:
             )
         for name in (CONFIG_FILE, LOG_FILE):
             (run_dir / name).unlink(missing_ok=True)
-        shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
+        for name in (CHECKPOINTS, FINAL):
+            shutil.rmtree(run_dir / name, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(saved_path, json.dumps(run_info, indent=2) + "\n")
+
+
+def save_final(run_dir: str | Path, model: nn.Module, tokenizer, context: int,
+               state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write `run_dir/final/` (see the module docstring) atomically and return its path.
+
+    `model` is the trained `AttnResForCausalLM` (or another transformers causal LM); under FSDP, whose parameters are
+    shards, `state_dict` holds the full weights (gathered on this rank), saved through a fresh CPU model of
+    `model.config`. `tokenizer` is the run's
+    (`ByteTokenizer` or `HFTokenizer`), `context` the `model_max_length` its saved form gets (the training length).
+    Its BOS, EOS and padding ids are written into the model's config and generation config.
+    """
+    from attnres.tokenization import byte_tokenizer
+
+    hf_tokenizer = byte_tokenizer(model_max_length=context) if tokenizer.name == "bytes" else tokenizer.tokenizer
+    if state_dict is not None:
+        model = _model_from_state(model.config, state_dict)
+    eos = hf_tokenizer.eos_token_id
+    pad = eos if hf_tokenizer.pad_token_id is None else hf_tokenizer.pad_token_id
+    for config in (model.config, model.generation_config):
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = hf_tokenizer.bos_token_id, eos, pad
+
+    def write(folder: Path) -> None:
+        from transformers.utils import logging as hf_logging
+
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # no "Writing model shards" bar for one small file
+        try:
+            model.save_pretrained(folder)
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
+        hf_tokenizer.save_pretrained(folder)
+
+    return atomic_write_dir(Path(run_dir) / FINAL, write)
+
+
+def _model_from_state(config, state_dict: dict[str, torch.Tensor]) -> nn.Module:
+    """A CPU model of `config` holding the full weights `state_dict` (a tied parameter saved once, by name)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"final: the weights do not match the model: missing {missing}, unexpected {unexpected}")
+    return model
 
 
 def load_trained_model(run_dir: str | Path, step: int | None = None) -> nn.Module:

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import attnres.training
 from attnres.distributed import Ranks, local_rows
@@ -49,6 +50,11 @@ def test_two_ranks_match_one_process_and_resume(two_ranks, tmp_path):
                                        msg=lambda m: f"{parallel} {kind} {field}: {m}")
         # one writer: only rank 0's complete checkpoint of the last step is left (keep_checkpoints=1)
         assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-000004"]
+        # final/ holds the whole model (fsdp: gathered from the shards), as the 1-process run's does
+        final, one_final = load_file(str(run_dir / "final" / "model.safetensors")), load_file(
+            str(reference.run_dir / "final" / "model.safetensors"))
+        assert final.keys() == one_final.keys(), parallel
+        torch.testing.assert_close(final, one_final, rtol=1e-5, atol=1e-6, msg=lambda m: f"{parallel} final/: {m}")
 
 
 def test_each_rank_keeps_a_disjoint_shard_of_the_global_batch():

@@ -76,13 +76,21 @@ def test_byte_streamer_waits_for_complete_characters():
     assert out.getvalue() == "é\n"
 
 
-def test_generate_refuses_prompts_longer_than_the_context(tiny_config, tmp_path):
-    byte_model(tiny_config, max_position_embeddings=16).save_pretrained(tmp_path)
+def test_generate_clamps_new_tokens_to_the_context_left(tiny_config, tmp_path, capsys):
+    model = byte_model(tiny_config, max_position_embeddings=16)
+    model.save_pretrained(tmp_path)
     base = ["generate", "--model", str(tmp_path), "--temperature", "0"]
-    with pytest.raises(ValueError, match=r"prompt: its 21 tokens exceed the model's context of 16 positions"):
+    with pytest.raises(ValueError, match=r"prompt: its 21 tokens leave no room .* context of 16 positions"):
         main(base + ["--prompt", "x" * 20])
-    with pytest.raises(ValueError, match=r"max_new_tokens: .* 10 tokens and 7 new ones .* at most 6 new tokens fit"):
-        main(base + ["--prompt", "x" * 9, "--max-new-tokens", "7"])
+    with pytest.raises(ValueError, match=r"prompt: its 16 tokens leave no room"):
+        main(base + ["--prompt", "x" * 15])
+    assert main(base + ["--prompt", "x" * 9]) == 0  # the default --max-new-tokens 128 on a 16-position model
+    out, err = capsys.readouterr()
+    assert "max_new_tokens 128 lowered to 6: the prompt's 10 tokens leave 6 of the model's 16 positions" in err
+    assert out == "x" * 9 + greedy_continuation(model, "x" * 9, 6) + "\n"
+    byte_model(tiny_config, max_position_embeddings=128).save_pretrained(tmp_path / "128")
+    assert main(["generate", "--model", str(tmp_path / "128"), "--prompt", "hi"]) == 0  # every default
+    assert "max_new_tokens 128 lowered to 125: the prompt's 3 tokens" in capsys.readouterr().err
 
 
 def test_convert_writes_an_attnres_folder_with_the_same_logits(tmp_path, capsys):
