@@ -111,6 +111,14 @@ class AttnResConfig(PreTrainedConfig):
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
         return getattr(text_config, name)
 
+    def __setattr__(self, name: str, value) -> None:
+        """Family fields write through too: `config.eos_token_id = 0` sets the family config's."""
+        text_config = self.__dict__.get("text_config")
+        if self.__dict__.get("_reads_through") and name not in _OWN_FIELDS and hasattr(text_config, name):
+            setattr(text_config, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def to_dict(self) -> dict:
         out = super().to_dict()
         out.pop("_reads_through", None)
@@ -157,6 +165,9 @@ def _check_attention_fields(config) -> None:
     act = getattr(config, "hidden_act", None)
     if isinstance(act, str) and act not in ACT2FN:
         raise ValueError(f"hidden_act: expected an activation transformers knows (ACT2FN), got {act!r}")
+
+
+_OWN_FIELDS = {f.name for f in fields(AttnResConfig)} | {"model_type"}
 
 
 def base_name(text_config) -> str:
