@@ -178,6 +178,21 @@ class AttnResPreTrainedModel(PreTrainedModel):
         model.plan_layers()
         return (model, info) if want_info else model
 
+    def _begin(self, input_ids, inputs_embeds, attention_mask, cache, use_cache, output_depth_weights, capture_layers,
+               kwargs: dict):
+        """Checks and the state of one forward: (cache, use_cache, ForwardState). A caller that wants the stream
+        afterwards (token sharding) passes its own state as `attn_res` in `kwargs`."""
+        cache = _cache_argument(cache, kwargs)
+        if use_cache is None and self.training:
+            use_cache = False  # a training step starts no KV cache
+        _check_lengths(self.config, input_ids, inputs_embeds, attention_mask, cache)
+        if not self.is_planned():  # checked here, so that a compiled forward of a planned model never calls out
+            self.plan_layers()
+        state = kwargs.pop("attn_res", None)
+        if state is None:
+            state = self.forward_state(output_depth_weights=output_depth_weights, capture_layers=capture_layers)
+        return cache, use_cache, state
+
     def _plan_unless_meta(self) -> None:
         if not any(p.is_meta for p in self.parameters()):
             self.plan_layers()
@@ -267,13 +282,9 @@ class AttnResModel(AttnResPreTrainedModel):
         **kwargs,
     ) -> AttnResModelOutput:
         """The family base model's forward (its arguments), through the AttnRes residual; see [`AttnResModelOutput`]."""
-        cache = _cache_argument(cache, kwargs)
-        if use_cache is None and self.training:
-            use_cache = False  # a training step starts no KV cache
-        _check_lengths(self.config, input_ids, inputs_embeds, attention_mask, cache)
-        if not self.is_planned():  # checked here, so that a compiled forward of a planned model never calls out
-            self.plan_layers()
-        state = self.forward_state(output_depth_weights=output_depth_weights, capture_layers=capture_layers)
+        cache, use_cache, state = self._begin(
+            input_ids, inputs_embeds, attention_mask, cache, use_cache, output_depth_weights, capture_layers, kwargs
+        )
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -333,15 +344,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         """The family causal LM's forward (its arguments: logits `[batch, seq, vocab]`, or the last `logits_to_keep`
         positions; with labels `[batch, seq]`, -100 ignored, the mean next-token loss), through the AttnRes residual;
         `output_depth_weights` and `capture_layers` as in [`AttnResModelOutput`]."""
-        cache = _cache_argument(cache, kwargs)
-        if use_cache is None and self.training:
-            use_cache = False  # a training step starts no KV cache
-        _check_lengths(self.config, input_ids, inputs_embeds, attention_mask, cache)
-        if not self.is_planned():  # checked here, so that a compiled forward of a planned model never calls out
-            self.plan_layers()
-        state = kwargs.pop("attn_res", None)  # a caller that wants the stream afterwards (token sharding) passes one
-        if state is None:
-            state = self.forward_state(output_depth_weights=output_depth_weights, capture_layers=capture_layers)
+        cache, use_cache, state = self._begin(
+            input_ids, inputs_embeds, attention_mask, cache, use_cache, output_depth_weights, capture_layers, kwargs
+        )
         out = self._family_lm_forward(
             self,
             input_ids=input_ids,
