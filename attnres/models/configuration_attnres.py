@@ -91,7 +91,9 @@ class AttnResConfig(PreTrainedConfig):
             if family:
                 raise ValueError(f"text_config: pass the family's fields inside it, not beside it (got {sorted(family)})")
         else:
-            base = self.base_model_type or (self.text_config or {}).get("model_type", "llama")
+            saved_type = kwargs.get("model_type")  # a family's own config.json loaded as an AttnRes config
+            family_type = saved_type if saved_type != self.model_type else None
+            base = self.base_model_type or (self.text_config or {}).get("model_type") or family_type or "llama"
             if base == "llama":
                 _check_legacy(family)
             defaults = LLAMA_DEFAULTS if base == "llama" else {}

@@ -171,6 +171,22 @@ def test_standard_checkpoint_loads_into_an_attnres_model_computing_the_same_func
         assert (model(ids).logits - expected).norm() <= 1e-5 * expected.norm()
 
 
+def test_a_family_checkpoint_loads_into_an_attnres_model_of_that_family(tmp_path):
+    """`AttnResForCausalLM.from_pretrained` on a Qwen3 folder: the family comes from its config.json."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    qwen = Qwen3ForCausalLM(Qwen3Config(**fields, num_key_value_heads=2, head_dim=8)).eval()
+    qwen.save_pretrained(tmp_path)
+    model = AttnResForCausalLM.from_pretrained(tmp_path, residual="block", attn_res_rescale_mixture=True).eval()
+    assert type(model.config.text_config) is Qwen3Config and type(model.model).__name__ == "Qwen3Model"
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        expected = qwen(ids).logits
+        assert (model(ids).logits - expected).norm() <= 1e-5 * expected.norm()
+
+
 def test_tied_embeddings_share_one_matrix_and_survive_reload(tiny_config, tmp_path):
     model = AttnResForCausalLM(tiny_config(tie_word_embeddings=True)).eval()
     assert model.lm_head.weight is model.model.embed_tokens.weight
