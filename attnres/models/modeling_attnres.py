@@ -183,6 +183,12 @@ class AttnResPreTrainedModel(PreTrainedModel):
         """Checks and the state of one forward: (cache, use_cache, ForwardState). A caller that wants the stream
         afterwards (token sharding) passes its own state as `attn_res` in `kwargs`."""
         cache = _cache_argument(cache, kwargs)
+        if kwargs.get("output_hidden_states"):
+            raise ValueError(
+                "output_hidden_states: an AttnRes layer's state is the residual stream, not one hidden state; pass "
+                "capture_layers=[...] for what each layer hands on (the mixture the next point forms), or "
+                "output_depth_weights=True for every point's mixture"
+            )
         if use_cache is None and self.training:
             use_cache = False  # a training step starts no KV cache
         _check_lengths(self.config, input_ids, inputs_embeds, attention_mask, cache)
