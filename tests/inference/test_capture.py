@@ -14,12 +14,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def sublayer_outputs(model) -> list[torch.Tensor]:
-    """Hooks that record every sublayer output of the next forward, in schedule order (cloned: the bank stream adds
-    later outputs into an output in place, as the block's running prefix)."""
+    """Hooks that record every sublayer output of the next forward, in schedule order (not cloned: the bank stream
+    keeps its running prefix in a buffer of its own and never adds into a sublayer's output)."""
     outputs = []
 
     def keep(module, args, out):  # the family's attention returns (output, weights)
-        outputs.append((out[0] if isinstance(out, tuple) else out).detach().clone())
+        outputs.append((out[0] if isinstance(out, tuple) else out).detach())
 
     for layer in model.model.layers:
         for sublayer in (layer.self_attn, layer.mlp):
