@@ -299,11 +299,14 @@ def test_greedy_generation_with_the_cache_gives_the_original_tokens(family, resi
 def reloaded_in_a_fresh_process(tmp_path_factory):
     """Every case, with nonzero queries, saved, then loaded by `AutoModelForCausalLM` in ONE fresh Python process."""
     root = tmp_path_factory.mktemp("families")
-    names = []
+    names, unsaved = [], {}
     for param in CASES:
         family, residual = param.values
-        with_queries(family, residual).save_pretrained(root / param.id)
-        names.append(param.id)
+        try:
+            with_queries(family, residual).save_pretrained(root / param.id)
+            names.append(param.id)
+        except Exception as error:  # reported by that case's test; the other cases still run
+            unsaved[param.id] = f"not saved: {type(error).__name__}: {error}"
     torch.save(IDS, root / "ids.pt")
     script = textwrap.dedent(
         """
@@ -314,45 +317,62 @@ def reloaded_in_a_fresh_process(tmp_path_factory):
         root, names = sys.argv[1], sys.argv[2:]
         ids, out = torch.load(f"{root}/ids.pt"), {}
         for name in names:
-            model = AutoModelForCausalLM.from_pretrained(f"{root}/{name}").eval()
-            with torch.no_grad():
-                out[name] = (type(model).__name__, model.config.residual, model(ids).logits)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(f"{root}/{name}").eval()
+                with torch.no_grad():
+                    out[name] = (type(model).__name__, model.config.residual, model(ids).logits)
+            except Exception as error:  # reported by that case's test
+                out[name] = f"{type(error).__name__}: {error}"
         torch.save(out, f"{root}/logits.pt")
         """
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", script, str(root), *names], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    return torch.load(root / "logits.pt")
+    return {**torch.load(root / "logits.pt"), **unsaved}
 
 
 @pytest.mark.parametrize("family, residual", CASES)
 def test_save_and_load_in_a_fresh_process_gives_the_same_logits(family, residual, reloaded_in_a_fresh_process):
-    kind, saved_residual, logits = reloaded_in_a_fresh_process[f"{family}-{residual}"]
+    result = reloaded_in_a_fresh_process[f"{family}-{residual}"]
+    assert not isinstance(result, str), result
+    kind, saved_residual, logits = result
     assert (kind, saved_residual) == ("AttnResForCausalLM", residual)
     with torch.no_grad():
         expected = with_queries(family, residual)(IDS).logits
     assert rel_err(logits, expected) < 1e-6
 
 
+BF16_IDS = torch.randint(1, VOCAB, (16, 9), generator=torch.Generator().manual_seed(3))
+
+
+def token_errors(logits: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Each token's relative error over the vocabulary."""
+    return (logits.float() - expected).norm(dim=-1) / expected.norm(dim=-1)
+
+
 @functools.cache
-def original_bf16_error(family: str) -> float:
+def bf16_reference(family: str) -> tuple[torch.Tensor, float]:
+    """The fp32 original's logits on BF16_IDS, and the original's own median token error in bf16."""
     with torch.no_grad():
-        return rel_err(copy.deepcopy(original(family)).to(torch.bfloat16)(IDS).logits, original_logits(family))
+        expected = original(family)(BF16_IDS).logits
+        own = copy.deepcopy(original(family)).to(torch.bfloat16)(BF16_IDS).logits
+    return expected, token_errors(own, expected).median().item()
 
 
 @pytest.mark.parametrize("family, residual", CASES)
 def test_bf16_error_is_the_original_models_own(family, residual):
-    """In bf16 the converted model is as far from the fp32 original as the original itself in bf16 (same rounding
-    sites, plus the depth mixtures, reduced in fp32)."""
+    """Cast to bf16, the converted model is about as far from the fp32 original as the original itself in bf16. The
+    median over tokens: a bf16 rounding that flips an MoE top-k choice moves a few tokens far, in either model."""
     model = copy.deepcopy(converted(family, residual)).to(torch.bfloat16)
     with torch.no_grad():
-        logits = model(IDS).logits
+        logits = model(BF16_IDS).logits
     assert logits.dtype == torch.bfloat16
-    err, own = rel_err(logits, original_logits(family)), original_bf16_error(family)
-    assert err <= 2 * own + 2e-3, (err, own)
+    expected, own = bf16_reference(family)
+    err = token_errors(logits, expected).median().item()
+    assert err <= 2 * own + 1e-3, (err, own)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -363,18 +383,25 @@ def test_bf16_error_is_the_original_models_own(family, residual):
 def test_nonzero_queries_follow_the_schedule_on_the_familys_own_modules(family, residual):
     model, expected = with_queries(family, residual), expected_with_queries(family, residual)
     assert rel_err(expected, original_logits(family)) > 1e-2  # the queries do change the function
-    for grad in (True, False):  # the training path and (Block) the bank path agree with the reference, so each other
-        with torch.set_grad_enabled(grad):
-            assert rel_err(model(IDS).logits.detach(), expected) < 1e-5, grad
+    with torch.no_grad():
+        bank = model(IDS).logits  # Block: the fused bank path taken without autograd
+    trained = model(IDS).logits.detach()  # the training path
+    assert rel_err(trained, expected) < 1e-5 and rel_err(bank, expected) < 1e-5
+    assert rel_err(bank, trained) < 1e-6
 
 
 @pytest.mark.parametrize("family, residual", CASES)
 def test_another_attention_backend_gives_the_same_logits(family, residual):
     model = copy.deepcopy(with_queries(family, residual))
-    other = "sdpa" if model.config.text_config._attn_implementation == "eager" else "eager"  # Gemma2 defaults to eager
-    model.set_attn_implementation(other)
-    assert model.config.text_config._attn_implementation == other
-    assert model.model.layers[0].self_attn.config._attn_implementation == other
+    if FAMILIES[family][0] == "gemma2":  # eager only (flex_attention compiles ~8 s on CPU); sdpa refused as by Gemma2
+        assert model.config.text_config._attn_implementation == "eager"
+        with pytest.raises(ValueError, match="scaled_dot_product_attention"):
+            model.set_attn_implementation("sdpa")
+        return
+    assert model.config.text_config._attn_implementation == "sdpa"
+    model.set_attn_implementation("eager")
+    assert model.config.text_config._attn_implementation == "eager"
+    assert model.model.layers[0].self_attn.config._attn_implementation == "eager"
     with torch.no_grad():
         assert rel_err(model(IDS).logits, expected_with_queries(family, residual)) < 1e-5
 
@@ -445,7 +472,8 @@ def test_the_transformers_interfaces_attnres_relies_on():
     """What `attnres.models.family` assumes of transformers (its docstring). A failure here means transformers
     changed an interface the family adapter reads: adapt `attnres/models/family.py` and `wiring.py`."""
     changed = "transformers changed an interface attnres.models.family relies on: "
-    assert MODEL_FOR_CAUSAL_LM_MAPPING[LlamaConfig] is LlamaForCausalLM, changed + "MODEL_FOR_CAUSAL_LM_MAPPING[config class]"
+    lookup = MODEL_FOR_CAUSAL_LM_MAPPING[LlamaConfig]
+    assert lookup is LlamaForCausalLM, changed + "MODEL_FOR_CAUSAL_LM_MAPPING[config class] is the causal LM"
     for family in MODEL_TYPES:
         lm = original(family)
         config = lm.config
