@@ -116,7 +116,8 @@ class AttnResConfig(PreTrainedConfig):
     def __setattr__(self, name: str, value) -> None:
         """Family fields write through too: `config.eos_token_id = 0` sets the family config's."""
         text_config = self.__dict__.get("text_config")
-        if self.__dict__.get("_reads_through") and name not in _OWN_FIELDS and hasattr(text_config, name):
+        through = not name.startswith("_")  # private settings (attention backend, ...) propagate themselves
+        if through and self.__dict__.get("_reads_through") and name not in _OWN_FIELDS and hasattr(text_config, name):
             setattr(text_config, name, value)
         else:
             super().__setattr__(name, value)

@@ -111,14 +111,20 @@ def _refuse(family: str, reason: str) -> FamilyRefused:
 def _scale(added: torch.Tensor, output: torch.Tensor, layer: nn.Module) -> float | None:
     """The constant c with added == c * output (up to rounding), or None. Where the layer holds that constant as an
     attribute (Granite's `residual_multiplier`), its exact value; 1.0 for a plain residual add."""
+    tol = probe_tolerance(output.dtype)
     a, o = added.double().flatten(), output.double().flatten()
     c = float((a @ o) / (o @ o))
-    if not torch.allclose(a, c * o, rtol=1e-4, atol=1e-4 * float(o.abs().max())):
+    if not torch.allclose(a, c * o, rtol=tol, atol=tol * float(o.abs().max())):
         return None
     for exact in (1.0, *(v for v in vars(layer).values() if isinstance(v, float))):
-        if abs(c - exact) <= 1e-5 * abs(exact):
+        if abs(c - exact) <= tol * abs(exact):
             return exact
     return c
+
+
+def probe_tolerance(dtype: torch.dtype) -> float:
+    """How far the family's own rounding in `dtype` (its residual add, a bf16 model's) may move a probe's numbers."""
+    return max(1e-5, 8 * torch.finfo(dtype).eps)
 
 
 def plan_layer(
@@ -171,7 +177,7 @@ def plan_layer(
         nxt = calls[i].input if i < len(calls) else out
         if any(c.input is hidden for c in calls[i:]) or any(c.input is chain[0].output for c in calls[i:]):
             raise _refuse(family, "feeds its attention and its MLP the same input (a parallel residual)")
-        scale = _scale(nxt.float() - residual.float(), chain[-1].output.float(), layer)
+        scale = _scale(nxt.float() - residual.float(), chain[-1].output, layer)
         if scale is None:
             raise _refuse(family, f"does not add the output of {chain[-1].name!r} to the residual")
         sides.append(_sublayer(layer, layer_cls, family, dim, chain, scale, kwargs))

@@ -19,7 +19,7 @@ from torch import nn
 
 from attnres.layers import ResidualStream, make_stream
 from attnres.layers.depth_attention import KeyNorm, NamedPoint, PseudoQuery
-from attnres.models.family import PROBE_TOKENS, Sublayer, plan_layer, run_sublayer
+from attnres.models.family import PROBE_TOKENS, Sublayer, plan_layer, probe_tolerance, run_sublayer
 
 # Kimi K3 names of the two aggregation points of a decoder layer, and of the final read on the base model
 SIDE_NAMES = ("self_attention_res", "mlp_res")
@@ -184,7 +184,8 @@ class AttnResDecoderLayer(nn.Module):
             got = hidden_states
             for side in sides:
                 got = got + run_sublayer(self, side, getattr(self, side.norm)(got), kwargs)
-        if not torch.allclose(got.float(), want.float(), rtol=1e-5, atol=1e-5 * float(want.float().abs().max())):
+        tol = probe_tolerance(want.dtype)
+        if not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.float().abs().max())):
             raise ValueError(
                 f"base model: the {family!r} decoder layer {self.layer_idx} does more than its two sublayers and "
                 f"their residual adds (the plan {sides} differs from its output by "
