@@ -56,7 +56,7 @@ def convert_from_hf(
     ceil(num_hidden_layers / 8)); config_overrides: any other `AttnResConfig` field (e.g.
     `attn_res_rescale_mixture=False` for the Kimi K3 form, which then differs from the original by the RMSNorm eps).
     """
-    if not isinstance(model, PreTrainedModel) or not hasattr(model, "get_output_embeddings"):
+    if not isinstance(model, PreTrainedModel) or model.get_output_embeddings() is None:
         raise TypeError(f"model: expected a transformers *ForCausalLM decoder model, got {type(model).__name__}")
     check_family_model(model, model.config.model_type)  # a clear refusal before any weight moves
     config = attnres_config_from_hf(model.config, residual, attn_res_block_size, **config_overrides)
