@@ -197,7 +197,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
             )
         if use_cache is None and self.training:
             use_cache = False  # a training step starts no KV cache
-        _check_lengths(self.config, input_ids, inputs_embeds, attention_mask, cache)
+        _check_inputs(input_ids, inputs_embeds, attention_mask, cache)
         if not self.is_planned():  # checked here, so that a compiled forward of a planned model never calls out
             self.plan_layers()
         state = kwargs.pop("attn_res", None)
@@ -220,18 +220,13 @@ def _check_capture_layers(capture_layers: Sequence[int] | None, num_layers: int)
     return layers
 
 
-def _check_lengths(config, input_ids, inputs_embeds, attention_mask, cache) -> None:
-    """The cached plus new tokens must fit the context, and a padding mask must cover them all."""
+def _check_inputs(input_ids, inputs_embeds, attention_mask, cache) -> None:
+    """One of input_ids and inputs_embeds, and a [batch, seq] padding mask that covers the cached and new tokens.
+    Longer contexts than `max_position_embeddings` run as in the family (dynamic rope scales exactly there)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("input_ids, inputs_embeds: pass exactly one of them")
     batch, seq = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
     past = 0 if cache is None else cache.get_seq_length()
-    if past + seq > config.max_position_embeddings:
-        cached = f" ({past} cached + {seq} new)" if past else ""
-        raise ValueError(
-            f"input_ids: sequence length {past + seq}{cached} exceeds max_position_embeddings="
-            f"{config.max_position_embeddings}"
-        )
     if attention_mask is not None and not isinstance(attention_mask, dict) and attention_mask.dim() == 2:
         if attention_mask.shape != (batch, past + seq):
             cached = f" (seq counts the {past} cached tokens)" if past else ""

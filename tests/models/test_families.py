@@ -63,7 +63,7 @@ FAMILIES = {
     "llama-yarn": ("llama", dict(rope_parameters=dict(ROPE, rope_type="yarn", factor=4.0,
                                                       original_max_position_embeddings=16))),
     "llama-linear": ("llama", dict(rope_parameters=dict(ROPE, rope_type="linear", factor=2.0))),
-    # dynamic NTK changes the frequencies only past max_position_embeddings, which AttnRes models refuse to run
+    # dynamic NTK changes the frequencies only past max_position_embeddings: tests/models/test_generation.py runs it there
     "llama-dynamic": ("llama", dict(rope_parameters=dict(ROPE, rope_type="dynamic", factor=2.0))),
     "llama-tied": ("llama", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
     "mistral": ("mistral", dict(sliding_window=5)),  # shorter than the prompts

@@ -141,9 +141,21 @@ def test_cache_arguments(tiny_config):
             model(ids[:, :1], cache=cache, attention_mask=torch.ones(2, 1))
 
 
-def test_context_longer_than_max_position_embeddings_is_refused(tiny_config):
-    model = random_model(tiny_config, max_position_embeddings=10)
-    with pytest.raises(ValueError, match="input_ids: sequence length 11 exceeds max_position_embeddings=10"):
-        model.generate(torch.zeros(1, 11, dtype=torch.long), max_new_tokens=1)
-    with pytest.raises(ValueError, match=r"sequence length 11 \(10 cached \+ 1 new\) exceeds max_position_embeddings"):
-        model.generate(torch.zeros(1, 8, dtype=torch.long), max_new_tokens=5, do_sample=False)
+def test_dynamic_rope_past_max_position_embeddings_matches_the_family():
+    """Dynamic NTK rope rescales only past max_position_embeddings: the converted model follows Llama there too,
+    with and without the KV cache."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import attnres
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=8, rope_parameters=rope)).eval()
+    model = attnres.convert_from_hf(llama, residual="block", attn_res_block_size=1)
+    ids = torch.randint(0, 64, (1, 14))
+    with torch.no_grad():
+        want = llama(ids).logits
+        assert ((model(ids).logits - want).norm() / want.norm()) < 1e-5
+    greedy = dict(max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(ids, **greedy), llama.generate(ids, **greedy))
