@@ -35,8 +35,12 @@ def _rms(x: torch.Tensor) -> float:
 
 
 def _sublayers(model: nn.Module) -> list[nn.Module]:
-    """The 2L sublayers in schedule order: attention then MLP of each decoder layer."""
-    return [m for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
+    """The 2L sublayers in schedule order (attention then MLP of each decoder layer), each as the module whose output
+    the family adds to its residual: the body, or its last post-sublayer norm."""
+    model.plan_layers()
+    return [
+        getattr(layer, side.post[-1][0] if side.post else side.body) for layer in model.model.layers for side in layer.sides
+    ]
 
 
 @torch.no_grad()

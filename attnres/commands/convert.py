@@ -1,5 +1,6 @@
-"""`attnres convert`: turn a Llama, Mistral, Qwen2 or Qwen3 checkpoint into an AttnRes model computing the same
-function (zero pseudo-queries with the mixture rescale, DESIGN section 3), ready to fine-tune."""
+"""`attnres convert`: turn a checkpoint of any PreNorm transformers decoder family (Llama, Mistral, Qwen, Gemma,
+DeepSeek-V3, ...) into an AttnRes model computing the same function (zero pseudo-queries with the mixture rescale,
+DESIGN section 3), ready to fine-tune."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 def register(sub) -> None:
     p = sub.add_parser(
         "convert",
-        help="convert a transformers Llama/Mistral/Qwen2/Qwen3 causal LM into an AttnRes model with the same outputs",
-        description="Loads SRC with transformers (safetensors, no remote code), copies every weight into an "
-        "AttnResForCausalLM whose AttnRes parameters start at zero queries and unit gains with "
-        "attn_res_rescale_mixture on, so its logits equal the original's to fp32 rounding, and writes it (with "
-        "SRC's tokenizer, if any) to the new folder DST in one atomic rename.",
+        help="convert a transformers causal LM (any PreNorm decoder family) into an AttnRes model with the same outputs",
+        description="Loads SRC with transformers (safetensors, no remote code), builds an AttnResForCausalLM on "
+        "SRC's own family modules (its attention, rope, MLP or MoE, norms), copies every weight key for key, starts "
+        "the AttnRes parameters at zero queries and unit gains with attn_res_rescale_mixture on, so its logits equal "
+        "the original's to fp32 rounding, and writes it (with SRC's tokenizer, if any) to the new folder DST in one "
+        "atomic rename. A family whose decoder layer is not PreNorm (post-norm, parallel attention and MLP) is "
+        "refused with the reason. Example: attnres convert meta-llama/Llama-3.2-1B out/ --residual block "
+        "--block-size 4 --allow-download",
     )
     p.add_argument("src", metavar="SRC", help="a transformers model folder (or a Hub name, with --allow-download)")
     p.add_argument("dst", metavar="DST", help="the folder to create for the AttnRes model (must not exist)")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import os
 import sys
 
@@ -47,6 +49,14 @@ def register(sub) -> None:
     m.add_argument("--ffn", type=int, default=None,
                    help="SwiGLU intermediate size (default: 8/3 * dim rounded up to a multiple of 32)")
     m.add_argument("--tie-embeddings", action="store_true", help="share the input embedding with the output head")
+    m.add_argument("--base", default=DEFAULTS["base"], metavar="FAMILY",
+                   help="the transformers decoder family to build the model from, by model_type, e.g. llama, qwen3, "
+                   "qwen3_moe, gemma2, mixtral, deepseek_v3 (default: %(default)s); the sizes above apply to it")
+    m.add_argument("--base-config", nargs="+", default=[], metavar="KEY=VALUE", type=_key_value,
+                   help="more fields of the family's config, values in JSON (e.g. num_experts=8 num_experts_per_tok=2)")
+    m.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each sublayer's attention and MLP activations in backward: less memory, ~a third "
+                   "more compute")
 
     o = p.add_argument_group("optimisation")
     o.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"], help="tokens a sequence (default: %(default)s)")
@@ -105,8 +115,19 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _key_value(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value  # a bare string
+
+
 def config_from_args(args) -> TrainConfig:
     values = {name: getattr(args, name) for name in DEFAULTS if hasattr(args, name)}
+    values["base_config"] = dict(getattr(args, "base_config", None) or [])
     if values.get("data") is None:
         values["data"] = DEFAULTS["data"]
     elif len(values["data"]) == 1:

@@ -180,28 +180,28 @@ class PipelineChunk(nn.Module):
             if plan.residual != "standard":  # the final read's parameters
                 self.output_attn_res_proj = inner.output_attn_res_proj
                 self.output_attn_res_norm = inner.output_attn_res_norm
-        self._inner = (inner,)  # in a tuple, not registered: the chunk's parameters are only those it runs
+        # in a tuple, not registered: the chunk's parameters are only those it runs
+        self._model = (model,)
         self.microbatch = 0  # the next forward's microbatch: a chunk sees them in order
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The family's own base-model forward (embedding, rotary embeddings, causal mask, final norm), running only
+        this chunk's decoder layers: the others pass their input through untouched."""
         key = (self.index, self.microbatch)
         self.microbatch += 1
+        model = self._model[0]
+        layers = self.plan.layers(self.index)
         if self.is_first:
-            rows, head = [], self.embed_tokens(inputs[0])
+            state = model.forward_state(stop=layers.stop)
+            out = model.model(input_ids=inputs[0], use_cache=False, attn_res=state)
         else:
             rows, head = self._unpack(inputs, key)
-        ref = head if head is not None else rows[0]
-        stream = self._inner[0].new_stream(ref)
-        layers = self.plan.layers(self.index)
-        stream.stop_layer = layers.stop  # phase 1 scores only this chunk's points
-        if not self.is_first:
-            stream.resume(layers.start, rows, head)
-        cos, sin, mask = self._inner[0].positions(ref, torch.arange(ref.shape[1], device=ref.device)[None])
-        for layer in self.layers:
-            layer(stream, cos, sin, mask)
+            state = model.forward_state(start=layers.start, stop=layers.stop, resume_from=(rows, head))
+            ref = head if head is not None else rows[0]  # stands in for the embedding the family computes first
+            out = model.model(inputs_embeds=ref, use_cache=False, attn_res=state)
         if self.is_last:
-            return self.lm_head(stream.read(self.norm))
-        return self._pack(*stream.state(), key)
+            return self.lm_head(out.last_hidden_state)
+        return self._pack(*state.stream.state(), key)
 
     def _unpack(self, inputs: tuple[torch.Tensor, ...], key: tuple[int, int]):
         head = inputs[-1] if self.plan.head_rows else None

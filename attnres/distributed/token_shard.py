@@ -3,11 +3,12 @@
 The depth attention never mixes tokens, so the residual stream and its bank `[N, NB, d]` split along the tokens
 with no communication: rank r of W keeps positions `[r*T/W, (r+1)*T/W)` of a `[B, T]` prefill, a bank of
 `[B*T/W, NB, d]`. Only the token mixer needs every token: around each self-attention the normed input is
-all-gathered along the sequence, attention runs with the full causal mask and rotary positions, and each rank
-keeps the output rows of its tokens. The MLP, the aggregation points, the final norm and the head stay local.
+all-gathered along the sequence (with its rotary embeddings), attention runs causally over every token, and each
+rank keeps the output rows of its tokens. The MLP, the aggregation points, the final norm and the head stay local.
 
-The model runs unchanged: its forward gets the rank's embeddings and positions, and forward hooks on each
-`self_attn` do the gather and the slice.
+The model runs unchanged: its forward gets the rank's embeddings and positions, and forward hooks on each decoder
+layer's attention (`self_attn`) do the gather and the slice. Families with sliding-window layers are refused (the
+gathered attention is plainly causal).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 
 from attnres.distributed.data_parallel import collective
-from attnres.models.sublayers import causal_attention_mask, rotary_cos_sin
 
 
 @dataclass(frozen=True)
@@ -89,37 +89,44 @@ def token_sharded_prefill(model: nn.Module, input_ids: torch.Tensor) -> tuple[to
         raise ValueError(f"input_ids: expected at least {world} positions (one a rank), got {seq}")
     shard = TokenShard(rank, world, seq)
     inner = model.model
-    device = input_ids.device
-    position_ids = torch.arange(seq, device=device)[None]
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < seq and "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        raise ValueError(f"model: sliding-window layers (window {window} < {seq} tokens) are not supported here")
+    position_ids = torch.arange(seq, device=input_ids.device)[None]
     embeds = inner.embed_tokens(input_ids)
-    cos, sin = (t.to(embeds.dtype) for t in rotary_cos_sin(position_ids, config.head_dim, config.rope_theta))
-    mask = causal_attention_mask(None, 0, seq, config.sliding_window, device)
     bounds = [TokenShard(r, world, seq) for r in range(world)]
-
     widest = max(s.stop - s.start for s in bounds)
 
-    def gather_tokens(module, args):
-        x, _, _, _, cache = args
-        padded = x.new_zeros(batch, widest, x.shape[-1])  # gloo gathers equal shapes only
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        """`x` `[b, T_r, ...]` of every rank, concatenated along the sequence."""
+        padded = x.new_zeros(x.shape[0], widest, *x.shape[2:])  # gloo gathers equal shapes only
         padded[:, : x.shape[1]] = x
         parts = [torch.empty_like(padded) for _ in bounds]
         collective(lambda: dist.all_gather(parts, padded), "gathering the attention input")
-        return torch.cat([p[:, : s.stop - s.start] for p, s in zip(parts, bounds)], dim=1), cos, sin, mask, cache
+        return torch.cat([p[:, : s.stop - s.start] for p, s in zip(parts, bounds)], dim=1)
+
+    def gather_tokens(module, args, kwargs):
+        x = gather(kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0])
+        rotary = kwargs.get("position_embeddings")
+        if rotary is not None:
+            kwargs["position_embeddings"] = tuple(gather(t.expand(x.shape[0], *t.shape[1:])) for t in rotary)
+        kwargs.update(attention_mask=None, position_ids=position_ids)  # causal over every token
+        return (), {**kwargs, "hidden_states": x}
 
     def keep_local(module, args, output):
-        return output[:, shard.start : shard.stop]
+        return (output[0][:, shard.start : shard.stop], *output[1:])
 
-    streams = []
-    hooks = [inner.layers[-1].register_forward_pre_hook(lambda module, args: streams.append(args[0]))]
+    hooks = []
     for layer in inner.layers:
-        hooks += [layer.self_attn.register_forward_pre_hook(gather_tokens),
+        hooks += [layer.self_attn.register_forward_pre_hook(gather_tokens, with_kwargs=True),
                   layer.self_attn.register_forward_hook(keep_local)]
+    state = model.forward_state()
     try:
         mine = slice(shard.start, shard.stop)
-        logits = model(inputs_embeds=embeds[:, mine], position_ids=position_ids[:, mine], use_cache=False).logits
+        out = model(inputs_embeds=embeds[:, mine], position_ids=position_ids[:, mine], use_cache=False, attn_res=state)
     finally:
         for hook in hooks:
             hook.remove()
-    stream = streams[0]
+    stream = state.stream
     bank = ShardedBank(stream.bank, stream.nvb, shard, batch) if hasattr(stream, "bank") else None
-    return logits, bank
+    return out.logits, bank

@@ -1,6 +1,6 @@
 """Aggregation points and residual streams; know nothing of a particular model."""
 
-from attnres.layers.depth_attention import DepthAttention, RMSNorm
+from attnres.layers.depth_attention import DepthAttention, KeyNorm, NamedPoint, PseudoQuery, RMSNorm
 from attnres.layers.streams import (
     RESIDUAL_KINDS,
     BlockStream,
@@ -14,6 +14,9 @@ __all__ = [
     "RESIDUAL_KINDS",
     "BlockStream",
     "DepthAttention",
+    "KeyNorm",
+    "NamedPoint",
+    "PseudoQuery",
     "FullStream",
     "RMSNorm",
     "ResidualStream",

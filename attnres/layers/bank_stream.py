@@ -31,6 +31,9 @@ class BankStream(BlockStream):
         self.bank = x.new_empty(x.shape[0], self.num_bank_rows, x.shape[1])
         self.nvb = 0
         self.prefix = x  # never written in place: layer 0's point only copies it into bank row 0
+        # the prefix of every later block: the fused ops add into it in place, so it is the stream's own buffer, never
+        # a sublayer's output (which hooks, drafters or a CUDA graph may still hold)
+        self._prefix_buffer = torch.empty_like(x)
         self.pending: torch.Tensor | None = None
         self._phase1_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # a stream's device and dtype never change: bind the backend's fused ops once, not at every point (at decode
@@ -44,7 +47,7 @@ class BankStream(BlockStream):
         point = self.points[self.point]
         write = self._is_write_point()
         if self.prefix is None:  # first point after a write: the pending output starts the new prefix
-            self.prefix, self.pending = self.pending, None
+            self.prefix, self.pending = self._prefix_buffer.copy_(self.pending), None
         num_sources = self.nvb + 1
         out_w = None if norm is None else norm.weight
         out_eps = point.eps if norm is None else self._out_eps(norm, num_sources)

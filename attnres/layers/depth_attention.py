@@ -28,38 +28,53 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+class PseudoQuery(nn.Module):
+    """An aggregation point's query `w`, stored as a `[1, d]` weight (the Kimi K3 `*_res_proj.weight` layout).
+    Zero-initialised, so training starts from the uniform mean of the sources. Not an `nn.Linear`: it is never applied
+    as one, and PEFT's `target_modules="all-linear"` must not wrap it with adapters that could not act."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"1, {self.weight.shape[1]}"
+
+
+class KeyNorm(nn.Module):
+    """The RMSNorm gain `g` of an aggregation point's keys (`[d]`, ones; the K3 `*_res_norm.weight`). Only its weight
+    and eps are used: the depth attention folds the gain into the query and never forms the normed keys. Its class name
+    holds no "RMSNorm", so a transformers family's weight init (Gemma's zeros for `1 + weight` norms) passes it by."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
 class DepthAttention(nn.Module):
     """One aggregation point: a zero-initialised pseudo-query and a key RMSNorm gain (DESIGN sections 3 and 8).
 
     `proj.weight` (`[1, d]`) and `norm.weight` (`[d]`) are the Kimi K3 `*_res_proj.weight` and `*_res_norm.weight`
-    of the point's place in the model (`self_attention_res`, `mlp_res` or `output_attn_res`).
+    of the point's place in a model (`self_attention_res`, `mlp_res` or `output_attn_res`). Models register those
+    modules under the K3 names and read them through `NamedPoint`, which computes as this class does.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         if dim < 1:
             raise ValueError(f"dim: expected a positive hidden size, got {dim}")
-        self.proj = nn.Linear(dim, 1, bias=False)
-        self.norm = RMSNorm(dim, eps)
-        nn.init.zeros_(self.proj.weight)  # zero query: training starts from the uniform average of the sources
-        self._fold_cache: tuple | None = None
-
-    @classmethod
-    def wrap(cls, proj: nn.Linear, norm: RMSNorm) -> DepthAttention:
-        """An aggregation point over a query `proj` (`[1, d]` weight) and key `norm` (`[d]`) owned by a model.
-
-        Lets a model register the parameters under its own (Kimi K3) names. Keep the wrapper in a plain list, not
-        as a submodule, so the parameters are saved once, under the owner's names.
-        """
-        if proj.weight.shape != (1, norm.weight.shape[0]):
-            raise ValueError(
-                f"proj: expected a [1, {norm.weight.shape[0]}] query weight to match norm, got {list(proj.weight.shape)}"
-            )
-        point = cls.__new__(cls)
-        nn.Module.__init__(point)
-        point.proj, point.norm = proj, norm
-        point._fold_cache = None
-        return point
+        self.proj = PseudoQuery(dim)
+        self.norm = KeyNorm(dim, eps)
 
     @property
     def eps(self) -> float:
@@ -96,5 +111,27 @@ class DepthAttention(nn.Module):
         return fold_query(self.proj.weight, self.norm.weight, dtype)
 
     def reset_parameters(self) -> None:
-        nn.init.zeros_(self.proj.weight)
-        nn.init.ones_(self.norm.weight)
+        self.proj.reset_parameters()
+        self.norm.reset_parameters()
+
+
+class NamedPoint:
+    """An aggregation point over a query and a key norm registered on `owner` as `{prefix}_proj` and `{prefix}_norm`,
+    looked up by name at every use: a module swapped in on the owner (PEFT's `modules_to_save`, user code) is the one
+    that computes, and nothing read from the weights outlives the call."""
+
+    __slots__ = ("owner", "proj_name", "norm_name")
+    forward = __call__ = DepthAttention.forward
+    folded_query = DepthAttention.folded_query
+    eps = DepthAttention.eps
+
+    def __init__(self, owner: nn.Module, prefix: str):
+        self.owner, self.proj_name, self.norm_name = owner, f"{prefix}_proj", f"{prefix}_norm"
+
+    @property
+    def proj(self) -> nn.Module:
+        return getattr(self.owner, self.proj_name)
+
+    @property
+    def norm(self) -> nn.Module:
+        return getattr(self.owner, self.norm_name)

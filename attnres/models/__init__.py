@@ -3,7 +3,7 @@
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from attnres.models.configuration_attnres import AttnResConfig
-from attnres.models.convert import SUPPORTED_MODEL_TYPES, attnres_config_from_hf, convert_from_hf
+from attnres.models.convert import attnres_config_from_hf, convert_from_hf
 from attnres.models.modeling_attnres import (
     AttnResCausalLMOutput,
     AttnResForCausalLM,
@@ -23,7 +23,6 @@ __all__ = [
     "AttnResModel",
     "AttnResModelOutput",
     "AttnResPreTrainedModel",
-    "SUPPORTED_MODEL_TYPES",
     "attnres_config_from_hf",
     "convert_from_hf",
 ]

@@ -1,43 +1,62 @@
-"""AttnResConfig: a Llama-style decoder configuration plus the residual kind (DESIGN sections 4 and 8)."""
+"""AttnResConfig: a transformers decoder family's own configuration plus the residual kind (DESIGN sections 4, 8, 13)."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from huggingface_hub.dataclasses import strict
-from transformers import PreTrainedConfig
+from huggingface_hub.errors import StrictDataclassClassValidationError
+from transformers import AutoConfig, PreTrainedConfig
 from transformers.activations import ACT2FN
+from transformers.configuration_utils import SubConfigSpec
 
 from attnres.layers import RESIDUAL_KINDS
+
+# The from-scratch default: a small Llama (what `attnres train` builds); any field can be overridden.
+LLAMA_DEFAULTS = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    bos_token_id=None,  # a model trained from scratch has no special tokens unless given
+    eos_token_id=None,
+    pad_token_id=None,
+)
+# flat fields of configs written by attnres 0.1 that a Llama config cannot carry (they were Qwen2/Qwen3/Mistral)
+_LEGACY_FIELDS = {"qk_norm": False, "attention_output_bias": None, "sliding_window": None}
+# keys that belong to the composite config itself, never to the family's
+_OWN_KEYS = {f.name for f in fields(PreTrainedConfig)} | {"model_type", "torch_dtype", "num_labels"}
 
 
 @strict(accept_kwargs=True)
 class AttnResConfig(PreTrainedConfig):
-    r"""Configuration of [`AttnResForCausalLM`].
+    r"""Configuration of [`AttnResForCausalLM`]: the base family's configuration (`text_config`) and the AttnRes fields.
 
-    Every field Llama has keeps its transformers Llama name and meaning: `vocab_size`, `hidden_size`,
-    `intermediate_size`, `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads` (None: as many as
-    attention heads, i.e. no grouping), `hidden_act`, `max_position_embeddings`, `initializer_range`,
-    `rms_norm_eps` (every RMSNorm: the PreNorms, the final norm, the AttnRes key norms and the q/k norms),
-    `rope_theta` (plain rotary positions, no scaling), `tie_word_embeddings`, `head_dim` (None: `hidden_size //
-    num_attention_heads`), `attention_bias` (biases on q, k, v and o), `mlp_bias`, `use_cache`.
+    The decoder is a transformers family's own (its attention with every rope type and attention backend, its MLP or
+    MoE block, its norms, masks and caches); AttnRes changes only the residual path. Name the family with
+    `base_model_type` (default `"llama"`) and pass its config fields flat, or pass `text_config` (a family config or
+    its dict):
 
-    Fields for the Llama family that `attnres.convert_from_hf` turns into AttnRes models:
-        attention_output_bias (`bool` or None, defaults to None):
-            Bias on `o_proj`; None follows `attention_bias`. Qwen2 has q, k and v biases but none on `o_proj`.
-        qk_norm (`bool`, defaults to False):
-            Qwen3's per-head RMSNorm of queries and keys (`self_attn.q_norm`, `self_attn.k_norm`, size `head_dim`),
-            applied before the rotary embedding.
-        sliding_window (`int` or None, defaults to None):
-            Every layer attends to the last `sliding_window` positions only (itself included), as Mistral does.
+        AttnResConfig(hidden_size=256, num_hidden_layers=8, residual="block", attn_res_block_size=2)   # a small Llama
+        AttnResConfig(base_model_type="qwen3_moe", num_experts=8, hidden_size=128, ...)
+        AttnResConfig(text_config=LlamaConfig(...), residual="full")
+
+    Any family field reads through this config (`config.hidden_size` is `config.text_config.hidden_size`). A family
+    qualifies when its decoder layer is PreNorm with two sublayers added to one residual; others are refused when the
+    model is built (`attnres.models.family`).
 
     AttnRes fields:
         residual (`str`, defaults to `"block"`):
-            `"standard"` (the PreNorm baseline, no AttnRes parameters at all), `"full"` (every aggregation point
-            attends over the embedding and every earlier sublayer output) or `"block"` (Block AttnRes with Kimi K3
-            timing).
+            `"standard"` (the family's own PreNorm residual, no AttnRes parameters at all), `"full"` (every aggregation
+            point attends over the embedding and every earlier sublayer output) or `"block"` (Block AttnRes with Kimi
+            K3 timing).
         attn_res_block_size (`int`, defaults to 2):
             Block size **in decoder layers** (each holds two sublayers), as Kimi K3's `attn_res_block_size`; the
-            paper and some peers count sublayers instead. Used only by `residual="block"`; 1 makes each decoder layer a
-            block (a bank row sums its two sublayer outputs; Full AttnRes is `residual="full"`), a value >=
+            paper and some peers count sublayers instead. Used only by `residual="block"`; 1 makes each decoder layer
+            a block (a bank row sums its two sublayer outputs; Full AttnRes is `residual="full"`), a value >=
             `num_hidden_layers` leaves a single block.
         attn_res_rescale_mixture (`bool`, defaults to False):
             Multiply each mixture by its number of sources before the sublayer PreNorm. With every pseudo-query zero
@@ -46,88 +65,125 @@ class AttnResConfig(PreTrainedConfig):
         attn_res_two_phase (`bool` or None, defaults to None):
             Block AttnRes only: score a block's completed summaries once for all its aggregation points (DESIGN
             section 5). None chooses it whenever it saves reads.
+
+    Layer 0's attention-side aggregation point has a single source (the embedding): its weight is exactly 1, so its
+    two parameters (`model.layers.0.self_attention_res_{proj,norm}.weight`) never receive a gradient. That is the
+    paper's schedule and the Kimi K3 checkpoint layout, kept as is.
     """
 
     model_type = "attnres"
+    sub_configs_defaults = {
+        "text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama", init_kwargs=LLAMA_DEFAULTS)
+    }
     keys_to_ignore_at_inference = ["cache", "depth_weights", "depth_mixtures", "captured_hidden_states"]
 
-    vocab_size: int = 32000
-    hidden_size: int = 512
-    intermediate_size: int = 1408
-    num_hidden_layers: int = 8
-    num_attention_heads: int = 8
-    num_key_value_heads: int | None = None
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 2048
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
-    head_dim: int | None = None
-    attention_bias: bool = False
-    attention_output_bias: bool | None = None
-    qk_norm: bool = False
-    mlp_bias: bool = False
-    sliding_window: int | None = None
-    use_cache: bool = True
-    pad_token_id: int | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-
+    text_config: dict | PreTrainedConfig | None = None
+    base_model_type: str | None = None
     residual: str = "block"
     attn_res_block_size: int = 2
     attn_res_rescale_mixture: bool = False
     attn_res_two_phase: bool | None = None
 
     def __post_init__(self, **kwargs):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.attention_output_bias is None:
-            self.attention_output_bias = self.attention_bias
+        # flat family fields (`hidden_size=...`, or a config.json written by attnres 0.1) build the family's config
+        family = {k: kwargs.pop(k) for k in list(kwargs) if k not in _OWN_KEYS and not k.startswith("_")}
+        if isinstance(self.text_config, PreTrainedConfig):
+            if family:
+                raise ValueError(f"text_config: pass the family's fields inside it, not beside it (got {sorted(family)})")
+        else:
+            saved_type = kwargs.get("model_type")  # a family's own config.json loaded as an AttnRes config
+            family_type = saved_type if saved_type != self.model_type else None
+            base = self.base_model_type or (self.text_config or {}).get("model_type") or family_type or "llama"
+            if base == "llama":
+                _check_legacy(family)
+            defaults = LLAMA_DEFAULTS if base == "llama" else {}
+            self.text_config = {**defaults, **(self.text_config or {}), **family, "model_type": base}
+        try:  # builds the family's config, which validates its own fields; reads nothing through `__getattr__` yet
+            super().__post_init__(**kwargs)
+        except StrictDataclassClassValidationError as error:  # a ValueError with the family's own message
+            raise ValueError(f"{base_name(self.text_config)}: {error.__cause__ or error}") from error
+        self.base_model_type = self.text_config.model_type
+        self.__dict__["_reads_through"] = True
         self._check()
-        super().__post_init__(**kwargs)
+
+    def __getattr__(self, name: str):
+        """Family fields read through: `config.hidden_size` is `config.text_config.hidden_size`."""
+        text_config = self.__dict__.get("text_config")
+        if name.startswith("__") or not self.__dict__.get("_reads_through"):
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return getattr(text_config, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        """Family fields write through too: `config.eos_token_id = 0` sets the family config's."""
+        text_config = self.__dict__.get("text_config")
+        through = not name.startswith("_")  # private settings (attention backend, ...) propagate themselves
+        if through and self.__dict__.get("_reads_through") and name not in _OWN_FIELDS and hasattr(text_config, name):
+            setattr(text_config, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        out.pop("_reads_through", None)
+        return out
 
     def _check(self) -> None:
-        """Refuse, at construction, every setting the model could not run with; each message names the setting."""
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "max_position_embeddings",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        """Refuse, at construction, every AttnRes setting the model could not run with; each message names it."""
         if self.residual not in RESIDUAL_KINDS:
             raise ValueError(f"residual: expected one of {RESIDUAL_KINDS}, got {self.residual!r}")
-        if self.residual == "block" and self.attn_res_block_size < 1:
-            raise ValueError(
-                f"attn_res_block_size: expected a positive number of decoder layers per block, got "
-                f"{self.attn_res_block_size}"
-            )
-        head_dim_name = "head_dim: the head size"
-        if self.head_dim is None:  # the Llama default, resolved here so that config.json records it
-            if self.hidden_size % self.num_attention_heads:
-                raise ValueError(
-                    f"hidden_size: {self.hidden_size} is not divisible by num_attention_heads="
-                    f"{self.num_attention_heads}, so the heads cannot split it evenly (or set head_dim)"
-                )
-            self.head_dim = self.hidden_size // self.num_attention_heads
-            head_dim_name = "hidden_size: the head size hidden_size / num_attention_heads"
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads: {self.num_attention_heads} is not divisible by num_key_value_heads="
-                f"{self.num_key_value_heads}, so query heads cannot share key/value heads in equal groups"
-            )
-        if self.head_dim < 2 or self.head_dim % 2:
-            raise ValueError(f"{head_dim_name} = {self.head_dim} must be even (and positive) for rotary positions")
-        if self.hidden_act not in ACT2FN:
-            raise ValueError(f"hidden_act: expected an activation transformers knows (ACT2FN), got {self.hidden_act!r}")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window: expected None or a positive number of positions, got {self.sliding_window}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps: expected a positive number, got {self.rms_norm_eps}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta: expected a positive number, got {self.rope_theta}")
+        size = self.attn_res_block_size
+        bad_size = isinstance(size, bool) or not isinstance(size, int) or size < 1
+        if self.residual == "block" and bad_size:
+            raise ValueError(f"attn_res_block_size: expected a positive number of decoder layers per block, got {size!r}")
+        for name in ("hidden_size", "num_hidden_layers"):
+            value = getattr(self.text_config, name, None)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer in the {self.base_model_type} config, got {value!r}")
+        _check_attention_fields(self.text_config)
+
+
+def _check_attention_fields(config) -> None:
+    """Settings of the usual family fields that would otherwise fail deep inside a forward (each checked where the
+    family has the field)."""
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    head_dim = getattr(config, "head_dim", None)
+    if isinstance(heads, int) and head_dim is None and config.hidden_size % heads:
+        raise ValueError(
+            f"hidden_size: {config.hidden_size} is not divisible by num_attention_heads={heads}, so the heads cannot "
+            f"split it evenly (or set head_dim)"
+        )
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        raise ValueError(
+            f"num_attention_heads: {heads} is not divisible by num_key_value_heads={kv_heads}, so query heads cannot "
+            f"share key/value heads in equal groups"
+        )
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(heads, int) and isinstance(rope, dict) and rope.get("partial_rotary_factor", 1.0) == 1.0:
+        size = head_dim or config.hidden_size // heads
+        if isinstance(size, int) and size % 2:
+            raise ValueError(f"head_dim: the head size = {size} must be even for rotary positions")
+    eps = getattr(config, "rms_norm_eps", None)
+    if eps is not None and not eps > 0:
+        raise ValueError(f"rms_norm_eps: expected a positive number, got {eps}")
+    act = getattr(config, "hidden_act", None)
+    if isinstance(act, str) and act not in ACT2FN:
+        raise ValueError(f"hidden_act: expected an activation transformers knows (ACT2FN), got {act!r}")
+
+
+_OWN_FIELDS = {f.name for f in fields(AttnResConfig)} | {"model_type"}
+
+
+def base_name(text_config) -> str:
+    return f"text_config ({text_config.get('model_type') if isinstance(text_config, dict) else text_config.model_type})"
+
+
+def _check_legacy(family: dict) -> None:
+    """A flat config of attnres 0.1 loads as a Llama, unless it used a field a Llama cannot carry."""
+    used = {k: family.pop(k) for k in _LEGACY_FIELDS if k in family}
+    harmless = {**_LEGACY_FIELDS, "attention_output_bias": family.get("attention_bias", False)}
+    changed = {k: v for k, v in used.items() if v != harmless[k] and v is not None}
+    if changed:
+        raise ValueError(
+            f"config: fields {changed} come from an attnres 0.1 conversion of a Qwen2/Qwen3/Mistral model; convert "
+            f"the original again (`attnres convert`), which now keeps the family's own config"
+        )

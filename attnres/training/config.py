@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from attnres.distributed.data_parallel import DEFAULT_TIMEOUT_S, PARALLEL
 from attnres.training.optim import SCHEDULES
@@ -31,6 +31,8 @@ class TrainConfig:
     allow_download: bool = False  # let the Hugging Face tokenizer be fetched from the Hub
     val_fraction: float = 0.05  # the last part of the token stream, held out for validation
     # model
+    base: str = "llama"  # the transformers decoder family (its model_type) the model is built from
+    base_config: dict = field(default_factory=dict)  # more fields of the family's config (e.g. num_experts)
     residual: str = "block"
     block_size: int = 2  # Block AttnRes block size, in decoder layers
     rescale_mixture: bool = False  # `attn_res_rescale_mixture` (DESIGN section 3)
@@ -40,6 +42,7 @@ class TrainConfig:
     kv_heads: int | None = None  # None: as many as `heads`
     ffn: int | None = None  # None: 8/3 * dim rounded up to a multiple of 32 (SwiGLU at the size of a 4*dim MLP)
     tie_embeddings: bool = False
+    activation_checkpointing: bool = False  # recompute each sublayer's internals in backward (less memory)
     # optimisation
     seq_len: int = 128
     batch_size: int = 16
@@ -82,6 +85,7 @@ class TrainConfig:
             _check_int("warmup", self.warmup, minimum=0)
         _check_int("seed", self.seed, minimum=0)
         _check_choice("residual", self.residual, RESIDUALS)
+        _check_base(self.base, self.base_config)
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("autocast", self.autocast, AUTOCAST)
         _check_choice("device", self.device, DEVICES)
@@ -109,10 +113,20 @@ class TrainConfig:
         return self.ffn if self.ffn is not None else -(-8 * self.dim // 3 // 32) * 32
 
     def default_out(self) -> str:
-        return os.path.join("runs", f"{self.residual}-L{self.layers}-d{self.dim}-s{self.seed}")
+        family = "" if self.base == "llama" else f"{self.base}-"
+        return os.path.join("runs", f"{family}{self.residual}-L{self.layers}-d{self.dim}-s{self.seed}")
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _check_base(base: str, base_config: dict) -> None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if base not in CONFIG_MAPPING:
+        raise ValueError(f"base: expected a transformers model_type such as 'llama' or 'qwen3_moe', got {base!r}")
+    if not isinstance(base_config, dict) or not all(isinstance(k, str) for k in base_config):
+        raise ValueError(f"base_config: expected a dict of {base} config fields, got {base_config!r}")
 
 
 def _check_int(name: str, value, minimum: int) -> None:

@@ -57,24 +57,40 @@ class RunResult:
 
 
 def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
-    """The `AttnResForCausalLM` the config describes, initialised from `config.seed`."""
+    """The `AttnResForCausalLM` the config describes (on the `config.base` family's own modules), initialised from
+    `config.seed`. The sizes apply to the family's fields of those names; its other `*intermediate_size` fields (MoE
+    experts) get the MLP size and its `head_dim` the hidden size over the heads, unless `base_config` sets them."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     from attnres.models import AttnResConfig, AttnResForCausalLM
 
+    family_fields = CONFIG_MAPPING[config.base]().to_dict()
+    sizes = {k: config.ffn_size for k in family_fields if k.endswith("intermediate_size")}
+    if "head_dim" in family_fields:
+        sizes["head_dim"] = config.dim // config.heads
     model_config = AttnResConfig(
+        base_model_type=config.base,
+        **sizes,
         vocab_size=vocab_size,
         hidden_size=config.dim,
-        intermediate_size=config.ffn_size,
         num_hidden_layers=config.layers,
         num_attention_heads=config.heads,
         num_key_value_heads=config.kv_heads or config.heads,
         max_position_embeddings=config.seq_len,
         tie_word_embeddings=config.tie_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **config.base_config,
         residual=config.residual,
         attn_res_block_size=config.block_size,
         attn_res_rescale_mixture=config.rescale_mixture,
     )
     torch.manual_seed(config.seed)
-    return AttnResForCausalLM(model_config)
+    model = AttnResForCausalLM(model_config)
+    if config.activation_checkpointing:
+        model.activation_checkpointing_enable()
+    return model
 
 
 def train(config: TrainConfig, model: nn.Module | None = None) -> RunResult:

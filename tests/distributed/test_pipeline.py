@@ -284,7 +284,7 @@ def test_a_stream_exports_its_state_only_between_layers_and_resumes_only_fresh()
 
     model = build_model(Case(2, "block", 2, "1f1b", 2))
     hidden = torch.randn(1, 2, DIM)
-    stream = make_stream("block", hidden, 2, model.model.aggregation_points(), block_size=1)
+    stream = make_stream("block", hidden, 2, model.aggregation_points(), block_size=1)
     stream.read()
     with pytest.raises(RuntimeError, match="state: a stream has a state only between decoder layers"):
         stream.state()

@@ -15,7 +15,7 @@ def _tiny_block_model() -> AttnResForCausalLM:
     torch.manual_seed(0)
     model = AttnResForCausalLM(config).eval()
     with torch.no_grad():  # non-zero pseudo-queries: the depth softmax is not uniform
-        for point in model.model.aggregation_points():
+        for point in model.aggregation_points():
             point.proj.weight.normal_()
     return model
 
@@ -23,11 +23,10 @@ def _tiny_block_model() -> AttnResForCausalLM:
 def compare_with_unsharded(rank: int) -> dict:
     model = _tiny_block_model()
     input_ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))  # 9 tokens: 4 + 5
-    streams = []
-    model.model.layers[-1].register_forward_pre_hook(lambda module, args: streams.append(args[0]))
     with torch.no_grad():
-        full_logits = model(input_ids).logits
-    full = ShardedBank(streams[0].bank, streams[0].nvb, TokenShard(0, 1, 9), batch=2)
+        state = model.forward_state()  # hands us the forward's stream afterwards
+        full_logits = model(input_ids, attn_res=state).logits
+    full = ShardedBank(state.stream.bank, state.stream.nvb, TokenShard(0, 1, 9), batch=2)
 
     logits, bank = token_sharded_prefill(model, input_ids)
     shard = bank.shard

@@ -14,12 +14,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def sublayer_outputs(model) -> list[torch.Tensor]:
-    """Hooks that record every sublayer output of the next forward, in schedule order (cloned: the bank stream adds
-    later outputs into an output in place, as the block's running prefix)."""
+    """Hooks that record every sublayer output of the next forward, in schedule order (not cloned: the bank stream
+    keeps its running prefix in a buffer of its own and never adds into a sublayer's output)."""
     outputs = []
+
+    def keep(module, args, out):  # the family's attention returns (output, weights)
+        outputs.append((out[0] if isinstance(out, tuple) else out).detach())
+
     for layer in model.model.layers:
         for sublayer in (layer.self_attn, layer.mlp):
-            sublayer.register_forward_hook(lambda module, args, out: outputs.append(out.detach().clone()))
+            sublayer.register_forward_hook(keep)
     return outputs
 
 
@@ -35,7 +39,7 @@ def test_capture_is_the_mixture_the_next_point_forms(tiny_config, residual, bloc
         num_hidden_layers=L, residual=residual, attn_res_block_size=block_size, attn_res_rescale_mixture=rescale
     )
     model = random_attnres_model(config)
-    points = model.model.aggregation_points()
+    points = model.aggregation_points()
     ids = torch.randint(0, 64, (2, 6))
     outputs = sublayer_outputs(model)
     capture = [4, 0, 2, 1]

@@ -22,7 +22,7 @@ def test_parameters_layout_and_zero_init():
     point = DepthAttention(12, eps=1e-5)
     assert point.proj.weight.shape == (1, 12) and torch.equal(point.proj.weight, torch.zeros(1, 12))
     assert point.norm.weight.shape == (12,) and torch.equal(point.norm.weight, torch.ones(12))
-    assert point.proj.bias is None
+    assert not isinstance(point.proj, torch.nn.Linear)  # PEFT's all-linear must not wrap it
     assert list(point.state_dict()) == ["proj.weight", "norm.weight"]  # Kimi K3 *_res_proj / *_res_norm
     assert point.eps == point.norm.eps == 1e-5
     randomized(point).reset_parameters()

@@ -90,7 +90,7 @@ def test_sampling_is_seeded_and_unchanged_by_the_cache(tiny_config):
 
 
 def test_sliding_window_cache_keeps_the_window_and_matches_no_cache(tiny_config):
-    model = random_model(tiny_config, sliding_window=3)
+    model = random_model(tiny_config, base_model_type="mistral", sliding_window=3)
     ids = torch.randint(1, 64, (2, 6))
     cached = model.generate(ids, max_new_tokens=8, do_sample=False)
     uncached = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False)
@@ -100,7 +100,7 @@ def test_sliding_window_cache_keeps_the_window_and_matches_no_cache(tiny_config)
     assert cache.layers[0].is_sliding and cache.layers[0].keys.shape[-2] == 2  # DynamicCache keeps window - 1 keys
     far = ids.clone()
     far[:, 0] = (ids[:, 0] + 1) % 64
-    window_one = random_model(tiny_config, sliding_window=1)  # each position sees only itself: no token mixing
+    window_one = random_model(tiny_config, base_model_type="mistral", sliding_window=1)  # each position sees only itself: no token mixing
     with torch.no_grad():
         a, b = window_one(ids).logits, window_one(far).logits
     assert torch.equal(a[:, 1:], b[:, 1:]) and not torch.equal(a[:, 0], b[:, 0])
@@ -141,9 +141,21 @@ def test_cache_arguments(tiny_config):
             model(ids[:, :1], cache=cache, attention_mask=torch.ones(2, 1))
 
 
-def test_context_longer_than_max_position_embeddings_is_refused(tiny_config):
-    model = random_model(tiny_config, max_position_embeddings=10)
-    with pytest.raises(ValueError, match="input_ids: sequence length 11 exceeds max_position_embeddings=10"):
-        model.generate(torch.zeros(1, 11, dtype=torch.long), max_new_tokens=1)
-    with pytest.raises(ValueError, match=r"sequence length 11 \(10 cached \+ 1 new\) exceeds max_position_embeddings"):
-        model.generate(torch.zeros(1, 8, dtype=torch.long), max_new_tokens=5, do_sample=False)
+def test_dynamic_rope_past_max_position_embeddings_matches_the_family():
+    """Dynamic NTK rope rescales only past max_position_embeddings: the converted model follows Llama there too,
+    with and without the KV cache."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import attnres
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=8, rope_parameters=rope)).eval()
+    model = attnres.convert_from_hf(llama, residual="block", attn_res_block_size=1)
+    ids = torch.randint(0, 64, (1, 14))
+    with torch.no_grad():
+        want = llama(ids).logits
+        assert ((model(ids).logits - want).norm() / want.norm()) < 1e-5
+    greedy = dict(max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(ids, **greedy), llama.generate(ids, **greedy))

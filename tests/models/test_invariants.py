@@ -11,7 +11,6 @@ import torch
 
 from attnres import naive_depth_attention
 from attnres.models import AttnResForCausalLM
-from attnres.models.modeling_attnres import rotary_cos_sin
 
 ATTNRES_KEYS = ("_res_proj.weight", "_res_norm.weight")
 
@@ -97,8 +96,8 @@ def reference_logits(model, ids: torch.Tensor, residual: str, block_size: int) -
     """DESIGN section 4, one sublayer at a time, with the unfused naive op and the PreNorm modules applied after it."""
     inner, config = model.model, model.config
     L = config.num_hidden_layers
-    cos, sin = rotary_cos_sin(torch.arange(ids.shape[1])[None], config.head_dim, config.rope_theta)
     v = [inner.embed_tokens(ids)]
+    rotary = inner.rotary_emb(v[0], torch.arange(ids.shape[1])[None])  # the family's (cos, sin)
 
     def read(j, proj, key_norm, prenorm):
         sources = reference_sources(v, j, residual, block_size)
@@ -107,7 +106,7 @@ def reference_logits(model, ids: torch.Tensor, residual: str, block_size: int) -
 
     for i, layer in enumerate(inner.layers):
         x = read(2 * i, layer.self_attention_res_proj, layer.self_attention_res_norm, layer.input_layernorm)
-        v.append(layer.self_attn(x, cos, sin))
+        v.append(layer.self_attn(hidden_states=x, position_embeddings=rotary, attention_mask=None)[0])
         x = read(2 * i + 1, layer.mlp_res_proj, layer.mlp_res_norm, layer.post_attention_layernorm)
         v.append(layer.mlp(x))
     return model.lm_head(read(2 * L, inner.output_attn_res_proj, inner.output_attn_res_norm, inner.norm))

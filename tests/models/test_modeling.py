@@ -10,7 +10,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from attnres import DepthAttention, RMSNorm
+from attnres.layers import PseudoQuery
 from attnres.models import AttnResConfig, AttnResForCausalLM
 
 RESIDUALS = ["standard", "full", "block"]
@@ -102,26 +102,34 @@ def test_init_keeps_zero_queries_and_unit_gains(tiny_config, residual):
             assert abs(p.std().item() - 0.05) < 0.01, name
 
 
-def test_aggregation_points_wrap_the_registered_parameters(tiny_config):
+def test_aggregation_points_read_the_registered_parameters(tiny_config):
     model = AttnResForCausalLM(tiny_config(residual="block"))
-    points = model.model.aggregation_points()
+    points = model.aggregation_points()
     assert len(points) == 2 * 3 + 1
     layer = model.model.layers[1]
     assert points[2].proj.weight is layer.self_attention_res_proj.weight
     assert points[3].norm.weight is layer.mlp_res_norm.weight
     assert points[-1].proj.weight is model.model.output_attn_res_proj.weight
-    # the wrappers are not submodules: each parameter is registered (and saved) once
+    # the points are not submodules: each parameter is registered (and saved) once
     assert len(list(model.named_parameters(remove_duplicate=False))) == len(model.state_dict())
-    assert AttnResForCausalLM(tiny_config(residual="standard")).model.aggregation_points() is None
-    clone = copy.deepcopy(model)  # e.g. an EMA copy: its points must wrap its own parameters
-    assert clone.model.aggregation_points()[2].proj.weight is clone.model.layers[1].self_attention_res_proj.weight
+    assert AttnResForCausalLM(tiny_config(residual="standard")).aggregation_points() is None
+    clone = copy.deepcopy(model)  # e.g. an EMA copy: its points must read its own parameters
+    assert clone.aggregation_points()[2].proj.weight is clone.model.layers[1].self_attention_res_proj.weight
 
 
-def test_depth_attention_wrap_checks_shapes():
-    point = DepthAttention.wrap(torch.nn.Linear(8, 1, bias=False), RMSNorm(8))
-    assert point.proj.weight.shape == (1, 8) and point.eps == 1e-6
-    with pytest.raises(ValueError, match="proj"):
-        DepthAttention.wrap(torch.nn.Linear(8, 1, bias=False), RMSNorm(6))
+def test_a_module_swapped_in_on_its_owner_is_the_one_that_computes(tiny_config):
+    """Points look their modules up by name at every use (PEFT's modules_to_save, user code)."""
+    model = AttnResForCausalLM(tiny_config(residual="block", attn_res_block_size=1)).eval()
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        before = model(ids).logits
+        swapped = PseudoQuery(32)
+        swapped.weight.normal_(0.0, 1.0)
+        model.model.layers[1].mlp_res_proj = swapped
+        assert model.aggregation_points()[3].proj is swapped
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad):
+                assert (model(ids).logits - before).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("residual", RESIDUALS)
@@ -136,7 +144,10 @@ def test_save_and_load_round_trip_through_safetensors(tiny_config, residual, tmp
     for loader in (AttnResForCausalLM, AutoModelForCausalLM):
         loaded = loader.from_pretrained(tmp_path).eval()
         assert type(loaded) is AttnResForCausalLM
-        assert {**loaded.config.to_dict(), "_name_or_path": ""} == model.config.to_dict()
+        saved, reloaded = model.config.to_dict(), {**loaded.config.to_dict(), "_name_or_path": ""}
+        for key in ("dtype", "_name_or_path"):  # loading records the weights' dtype and path in the family config
+            reloaded["text_config"][key] = saved["text_config"][key]
+        assert reloaded == saved
         with torch.no_grad():
             assert torch.equal(loaded(ids).logits, model(ids).logits)
     assert type(AutoConfig.from_pretrained(tmp_path)) is AttnResConfig
@@ -157,6 +168,22 @@ def test_standard_checkpoint_loads_into_an_attnres_model_computing_the_same_func
     ids = torch.randint(0, 64, (2, 7))
     with torch.no_grad():
         expected = standard(ids).logits
+        assert (model(ids).logits - expected).norm() <= 1e-5 * expected.norm()
+
+
+def test_a_family_checkpoint_loads_into_an_attnres_model_of_that_family(tmp_path):
+    """`AttnResForCausalLM.from_pretrained` on a Qwen3 folder: the family comes from its config.json."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    qwen = Qwen3ForCausalLM(Qwen3Config(**fields, num_key_value_heads=2, head_dim=8)).eval()
+    qwen.save_pretrained(tmp_path)
+    model = AttnResForCausalLM.from_pretrained(tmp_path, residual="block", attn_res_rescale_mixture=True).eval()
+    assert type(model.config.text_config) is Qwen3Config and type(model.model).__name__ == "Qwen3Model"
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        expected = qwen(ids).logits
         assert (model(ids).logits - expected).norm() <= 1e-5 * expected.norm()
 
 

@@ -107,8 +107,8 @@ def test_a_finished_run_writes_a_transformers_folder(run):
     assert saved.keys() == checkpoint.keys() and all(torch.equal(saved[k], checkpoint[k]) for k in saved)
     config = json.loads((final / "config.json").read_text())
     generation = json.loads((final / "generation_config.json").read_text())
-    assert config["model_type"] == "attnres" and config["max_position_embeddings"] == 16
-    for c in (config, generation):
+    assert config["model_type"] == "attnres" and config["text_config"]["max_position_embeddings"] == 16
+    for c in (config["text_config"], generation):
         assert (c["bos_token_id"], c["eos_token_id"], c["pad_token_id"]) == (0, 0, 0)
     assert AutoTokenizer.from_pretrained(final).model_max_length == 16
 

@@ -156,7 +156,7 @@ def test_run_folder_holds_config_log_and_checkpoint(tmp_path):
     result = train(config)
     saved = json.loads((result.run_dir / "config.json").read_text())
     assert saved["train"]["residual"] == "full" and saved["train"]["attn_res_lr_mult"] == 0.1
-    assert saved["model"]["residual"] == "full" and saved["model"]["hidden_size"] == 16
+    assert saved["model"]["residual"] == "full" and saved["model"]["text_config"]["hidden_size"] == 16
     assert saved["data"]["vocab_size"] == 256 and saved["data"]["train_tokens"] + saved["data"]["val_tokens"] > 30_000
     assert saved["num_params"] == result.num_params == sum(p.numel() for p in result.model.parameters())
     assert "git" in saved["environment"] and saved["environment"]["device"] == "cpu"
@@ -188,7 +188,7 @@ def test_existing_run_is_neither_overwritten_nor_resumed_as_a_different_run(tmp_
         (dict(data="/no/such/corpus"), r"data: no such file or directory: /no/such/corpus"),
         (dict(residual="dense"), r"residual: expected one of standard, full, block, got 'dense'"),
         (dict(block_size=0), r"block_size: expected an integer >= 1, got 0"),
-        (dict(dim=18, heads=4), r"hidden_size: 18 is not divisible by num_attention_heads=4"),
+        (dict(dim=18, heads=4), r"hidden size \(18\) is not a multiple of the number of attention heads \(4\)"),
         (dict(lr=float("nan")), r"lr: expected a number > 0, got nan"),
     ],
     ids=["seq-longer-than-val", "seq-longer-than-train", "missing-data", "residual", "block-size", "heads", "lr"],
@@ -227,3 +227,23 @@ def test_bf16_autocast_trains_attn_res_models_with_fp32_weights(tmp_path, residu
     assert json.loads((result.run_dir / "config.json").read_text())["environment"]["autocast"] == "torch.bfloat16"
     assert all(p.dtype == torch.float32 for p in result.model.parameters())
     assert math.isfinite(result.final_val_loss) and result.final_val_loss < read_log(result.run_dir, "eval")[0]["val_loss"]
+
+
+def test_base_family_builds_the_model_on_that_family(tmp_path):
+    """`--base qwen3_moe`: the family's own MoE blocks, the sizes and `base_config` applied to its config."""
+    config = tiny(tmp_path, base="qwen3_moe", base_config={"num_experts": 4, "num_experts_per_tok": 2}, steps=2)
+    result = train(config)
+    text_config = result.model.config.text_config
+    assert text_config.model_type == "qwen3_moe" and text_config.num_experts == 4
+    assert text_config.moe_intermediate_size == 32 and text_config.hidden_size == 16
+    assert type(result.model.model.layers[0].mlp).__name__ == "Qwen3MoeSparseMoeBlock"
+    assert math.isfinite(result.final_val_loss)
+    with pytest.raises(ValueError, match="base: expected a transformers model_type"):
+        tiny(tmp_path, base="not_a_family")
+
+
+def test_activation_checkpointing_gives_the_same_run(tmp_path):
+    plain = train(tiny(tmp_path, name="plain", steps=3))
+    checkpointed = train(tiny(tmp_path, name="ckpt", steps=3, activation_checkpointing=True))
+    assert all(layer.gradient_checkpointing for layer in checkpointed.model.model.layers)
+    assert checkpointed.final_val_loss == pytest.approx(plain.final_val_loss, rel=1e-5)

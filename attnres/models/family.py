@@ -1,0 +1,271 @@
+"""The adapter between a transformers decoder family and the AttnRes residual wiring (DESIGN section 13).
+
+An AttnRes model is the family's own model with each decoder layer's residual rewired. What a layer's two sublayers
+are is read from the family's own decoder layer, never from a list of names: `plan_layer` runs the family layer's
+`forward` once, with forward hooks on its children that replace each child's output by a random tensor, and follows
+the data: each sublayer is a chain of children (its PreNorm, its body, any post-sublayer norms or dropouts) whose last
+output is added, times a constant (Granite's residual multiplier), to the residual. Anything else (no PreNorm,
+parallel attention and MLP, more than two sublayers) is refused with a ValueError naming the family and the reason.
+The reading is then checked numerically: the plan, wired as the standard residual, must reproduce the family layer.
+
+The transformers interfaces this relies on (pinned `transformers>=5,<6`; `tests/models/test_families.py` fails with
+a clear message when one changes):
+- `MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]` is the family's `*ForCausalLM`, with `.model` (the base model: its
+  `embed_tokens`, `layers`, `norm`, rotary embedding) and `.lm_head`; its `forward` passes `**kwargs` through the
+  base model to every decoder layer, and the base model calls `layer(hidden_states, **kwargs)` and feeds the last
+  layer's output to its final norm;
+- a decoder layer is built as `cls(config, layer_idx)`, returns its output hidden states (a tensor), and calls its
+  children as modules (so forward hooks see them);
+- an attention module returns a tuple whose first element is its output; other children return a tensor or a tuple.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# a child's output may pass through at most this many modules before it is added to the residual
+PROBE_TOKENS = 3  # several tokens (a tensor unpacked as a tuple fails loudly), few enough for any model
+_EXTRA = "attn_res_probe_extra"  # an extra keyword argument: whichever child receives it gets the layer's **kwargs
+
+
+@dataclass(frozen=True)
+class Sublayer:
+    """One sublayer of a decoder layer, as the family computes it: `v = scale * post(body(norm(h)))`.
+
+    norm: the PreNorm child's name; fused_eps: its eps when it is the plain `weight * x * rsqrt(mean(x^2) + eps)`
+    (then the depth aggregation fuses it), else None (it is applied to the mixture as the family's own module);
+    body: the attention or MLP/MoE child; body_args: names of the layer's keyword arguments the body receives;
+    body_kwarg_input: the body takes its input as `hidden_states=` (else positionally); tuple_output: the body
+    returns a tuple whose first element is the output; post: children applied to the body's output, in order.
+    """
+
+    norm: str
+    norm_class: type
+    fused_eps: float | None
+    body: str
+    body_args: tuple[str, ...]
+    body_extra: bool
+    layer_args: frozenset[str]  # the layer forward's own argument names (the rest of its kwargs pass through)
+    body_kwarg_input: bool
+    tuple_output: bool
+    post: tuple[tuple[str, bool], ...]  # (child name, returns a tuple)
+    scale: float
+
+
+@dataclass
+class _Call:
+    name: str
+    input: torch.Tensor
+    output: torch.Tensor  # the random stand-in handed on
+    tuple_output: bool
+    kwarg_input: bool
+    kwargs: dict
+
+
+def _main(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _is_norm_like(module: nn.Module) -> bool:
+    """A child with no matrix among its parameters (a norm, a dropout, an activation), not a sublayer body."""
+    return all(p.dim() <= 1 for p in module.parameters())
+
+
+def plain_rms_eps(norm: nn.Module, dim: int) -> float | None:
+    """The eps of `norm` if it computes exactly `weight * x * rsqrt(mean(x^2) + eps)` (fusable), else None.
+
+    Tried on a copy with a random weight, so a family norm whose gain is `1 + weight` (Gemma) or that centres (LayerNorm)
+    never passes for plain."""
+    params = dict(norm.named_parameters())
+    if set(params) != {"weight"} or tuple(params["weight"].shape) != (dim,) or list(norm.buffers()):
+        return None
+    probe = copy.deepcopy(norm).float()
+    gen = torch.Generator(device=probe.weight.device).manual_seed(0)
+    with torch.no_grad():
+        probe.weight.copy_(torch.rand(dim, generator=gen, device=probe.weight.device) + 0.5)
+        x = torch.randn(4, dim, generator=gen, device=probe.weight.device)
+        got = probe(x)
+        for eps in (v for v in vars(norm).values() if isinstance(v, float) and v > 0):
+            want = probe.weight * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps))
+            if torch.allclose(got, want, rtol=1e-6, atol=1e-6):
+                return eps
+    return None
+
+
+class FamilyRefused(ValueError):
+    """A decoder family whose layer is not a PreNorm residual of two sublayers."""
+
+
+def _refuse(family: str, reason: str) -> FamilyRefused:
+    return FamilyRefused(
+        f"base model: the {family!r} decoder layer {reason}; AttnRes needs a PreNorm layer whose two sublayers "
+        f"(attention, then MLP) each read a norm of the residual and add their output to it"
+    )
+
+
+def _scale(added: torch.Tensor, output: torch.Tensor, layer: nn.Module) -> float | None:
+    """The constant c with added == c * output (up to rounding), or None. Where the layer holds that constant as an
+    attribute (Granite's `residual_multiplier`), its exact value; 1.0 for a plain residual add."""
+    tol = probe_tolerance(output.dtype)
+    a, o = added.double().flatten(), output.double().flatten()
+    c = float((a @ o) / (o @ o))
+    if not torch.allclose(a, c * o, rtol=tol, atol=tol * float(o.abs().max())):
+        return None
+    for exact in (1.0, *(v for v in vars(layer).values() if isinstance(v, float))):
+        if abs(c - exact) <= tol * abs(exact):
+            return exact
+    return c
+
+
+def probe_tolerance(dtype: torch.dtype) -> float:
+    """How far the family's own rounding in `dtype` (its residual add, a bf16 model's) may move a probe's numbers."""
+    return max(1e-5, 8 * torch.finfo(dtype).eps)
+
+
+def plan_layer(
+    layer: nn.Module, layer_cls: type, family: str, dim: int, hidden: torch.Tensor, kwargs: dict
+) -> tuple[Sublayer, Sublayer]:
+    """Read the two sublayers of `layer` (holding the children of a `layer_cls` family decoder layer) by running
+    `layer_cls.forward` on `hidden` `[batch, seq, d]` with the layer arguments `kwargs` (what the family's base model
+    passes), each child's output replaced by a random tensor."""
+    calls: list[_Call] = []
+    gen = torch.Generator(device=hidden.device).manual_seed(0)
+    pending: dict[int, tuple] = {}
+
+    def pre(module, args, kw):
+        pending[id(module)] = (args, kw)
+
+    def post(module, args, kw, output):
+        name = next(n for n, m in layer.named_children() if m is module)
+        tensor = args[0] if args else kw.get("hidden_states")
+        main = _main(output)
+        if not isinstance(tensor, torch.Tensor) or not isinstance(main, torch.Tensor):
+            raise _refuse(family, f"calls its child {name!r} with no hidden-state tensor")
+        stand_in = torch.randn(main.shape, generator=gen, device=main.device).to(main.dtype)
+        calls.append(_Call(name, tensor, stand_in, isinstance(output, tuple), not args, dict(kw)))
+        return (stand_in, *output[1:]) if isinstance(output, tuple) else stand_in
+
+    handles = []
+    for child in layer.children():
+        handles.append(child.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(child.register_forward_hook(post, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            out = layer_cls.forward(layer, hidden, **kwargs, **{_EXTRA: True})
+    finally:
+        for h in handles:
+            h.remove()
+    if not isinstance(out, torch.Tensor):
+        raise _refuse(family, f"returns {type(out).__name__}, not the hidden-state tensor")
+
+    residual, sides, i = hidden, [], 0
+    while i < len(calls):
+        chain = [calls[i]]
+        if chain[0].input is not residual:
+            if sides and chain[0].input is hidden:
+                raise _refuse(family, "feeds its attention and its MLP the same input (a parallel residual)")
+            raise _refuse(family, f"feeds {chain[0].name!r} something other than the residual stream")
+        while i + 1 < len(calls) and calls[i + 1].input is chain[-1].output:
+            i += 1
+            chain.append(calls[i])
+        i += 1
+        nxt = calls[i].input if i < len(calls) else out
+        if any(c.input is hidden for c in calls[i:]) or any(c.input is chain[0].output for c in calls[i:]):
+            raise _refuse(family, "feeds its attention and its MLP the same input (a parallel residual)")
+        scale = _scale(nxt.float() - residual.float(), chain[-1].output, layer)
+        if scale is None:
+            raise _refuse(family, f"does not add the output of {chain[-1].name!r} to the residual")
+        sides.append(_sublayer(layer, layer_cls, family, dim, chain, scale, kwargs))
+        residual = nxt
+    if len(sides) != 2:
+        raise _refuse(family, f"has {len(sides)} residual branches, not two")
+    return sides[0], sides[1]
+
+
+def _sublayer(layer, layer_cls, family, dim, chain: list[_Call], scale: float, layer_kwargs: dict) -> Sublayer:
+    first = getattr(layer, chain[0].name)
+    if len(chain) < 2 or not _is_norm_like(first):
+        raise _refuse(family, f"applies no norm before {chain[0].name!r} (not PreNorm)")
+    bodies = [c for c in chain[1:] if not _is_norm_like(getattr(layer, c.name))]
+    if len(bodies) != 1:
+        raise _refuse(family, f"has {len(bodies)} sublayers where one is expected in {[c.name for c in chain]}")
+    body = bodies[0]
+    if chain[1] is not body:
+        raise _refuse(family, f"applies {[c.name for c in chain[:chain.index(body)]]} before {body.name!r}")
+    params = layer_parameters(layer_cls)
+    defaults = {n: p.default for n, p in params.items() if p.default is not p.empty}
+    for name, value in body.kwargs.items():
+        if name == "hidden_states" or name == _EXTRA or name not in params and name in layer_kwargs:
+            continue
+        given = layer_kwargs.get(name, defaults.get(name, inspect.Parameter.empty))
+        if value is not given and not (value is None and given is inspect.Parameter.empty):
+            raise _refuse(family, f"passes {body.name!r} a computed argument {name!r}")
+    return Sublayer(
+        norm=chain[0].name,
+        norm_class=type(first),
+        fused_eps=plain_rms_eps(first, dim),
+        body=body.name,
+        body_args=tuple(n for n in body.kwargs if n in params and n != "hidden_states"),
+        body_extra=_EXTRA in body.kwargs,
+        layer_args=frozenset(params),
+        body_kwarg_input=body.kwarg_input,
+        tuple_output=body.tuple_output,
+        post=tuple((c.name, c.tuple_output) for c in chain[chain.index(body) + 1 :]),
+        scale=scale,
+    )
+
+
+def layer_parameters(layer_cls: type) -> dict[str, inspect.Parameter]:
+    """The named parameters of the family decoder layer's forward (not its `**kwargs`)."""
+    params = inspect.signature(layer_cls.forward).parameters
+    return {n: p for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self"}
+
+
+def run_sublayer(layer: nn.Module, side: Sublayer, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """The sublayer's output v (what the family adds to its residual) for the normed input `x`."""
+    body = getattr(layer, side.body)
+    args = {name: kwargs[name] for name in side.body_args if name in kwargs}
+    if side.body_extra:
+        args.update((name, value) for name, value in kwargs.items() if name not in side.layer_args)
+    out = body(hidden_states=x, **args) if side.body_kwarg_input else body(x, **args)
+    out = out[0] if side.tuple_output else out
+    for name, is_tuple in side.post:
+        out = getattr(layer, name)(out)
+        out = out[0] if is_tuple else out
+    return out * side.scale if side.scale != 1.0 else out
+
+
+class _Captured(Exception):
+    pass
+
+
+def check_family_model(lm: nn.Module, family: str) -> None:
+    """Refuse, with the reason, a family causal LM `lm` whose first decoder layer AttnRes cannot rewire: its layer is
+    planned as `plan_layer` does, on the inputs the family's own base model gives it (one short forward, stopped
+    there)."""
+    base = lm.base_model
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise ValueError(f"base model: the {family!r} model keeps no decoder `layers` list")
+    seen = {}
+
+    def capture(module, args, kwargs):
+        seen["hidden"], seen["kwargs"] = (args[0], kwargs) if args else (kwargs.pop("hidden_states"), kwargs)
+        raise _Captured
+
+    embed = lm.get_input_embeddings()
+    ids = (torch.arange(PROBE_TOKENS, device=embed.weight.device) % embed.weight.shape[0])[None]
+    handle = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            base(input_ids=ids, use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    plan_layer(layers[0], type(layers[0]), family, seen["hidden"].shape[-1], seen["hidden"], seen["kwargs"])
