@@ -356,3 +356,11 @@ def test_mixed_adapter_batch_uses_each_rows_attnres_parameters(tiny_config):
         mixed = peft_model(input_ids=IDS, adapter_names=["a", "b"]).logits
     torch.testing.assert_close(mixed[0], want_a[0], **TOL)
     torch.testing.assert_close(mixed[1], want_b[1], **TOL)
+
+
+def test_the_readme_shows_the_recipe_that_runs():
+    """README and test cannot drift: the README's fine-tuning example is `RECIPE`, character for character."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert f"```python\n{RECIPE}```" in readme
