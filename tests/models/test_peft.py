@@ -30,7 +30,7 @@ from attnres.models import AttnResForCausalLM
 # `adapter_folder` and `batches` (LongTensors [batch, seq]).
 RECIPE = '''\
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from attnres.models import AttnResForCausalLM
 
 model = AttnResForCausalLM.from_pretrained(base_folder)  # an AttnRes checkpoint, e.g. from `attnres convert`
