@@ -18,7 +18,7 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from peft.utils import ModulesToSaveWrapper
 from safetensors import safe_open
