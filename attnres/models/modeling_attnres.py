@@ -144,8 +144,14 @@ class AttnResPreTrainedModel(PreTrainedModel):
             return
         if any(p.is_meta for p in self.parameters()):
             raise RuntimeError("plan_layers: the model's weights are still on the meta device; load them first")
-        with torch.no_grad():
-            self.model(input_ids=probe_input(self), use_cache=False, attn_res=self.forward_state(probe=True))
+        modes = {module: module.training for module in self.modules()}
+        self.eval()  # dropout would draw two masks for the two forwards the check compares
+        try:
+            with torch.no_grad():
+                self.model(input_ids=probe_input(self), use_cache=False, attn_res=self.forward_state(probe=True))
+        finally:
+            for module, training in modes.items():
+                module.training = training
         if any(layer.sides is None for layer in self.model.layers):
             raise ValueError(
                 f"base_model_type: the {self.config.base_model_type!r} model does not pass its keyword arguments on to "
@@ -157,6 +163,14 @@ class AttnResPreTrainedModel(PreTrainedModel):
                 f"base_model_type: the {self.config.base_model_type!r} causal LM keeps its base model as {prefix!r}; "
                 f"AttnRes models keep it as 'model' (the Llama layout) and support those families only"
             )
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1):
+        """transformers' switch, with `every_n_layers` counted over the AttnRes decoder layers too (transformers counts
+        only its `GradientCheckpointingLayer`s, whose whole-layer recompute would replay the stream's writes)."""
+        kwargs = {} if gradient_checkpointing_func is None else {"gradient_checkpointing_func": gradient_checkpointing_func}
+        super()._set_gradient_checkpointing(enable, every_n_layers=every_n_layers, **kwargs)
+        for i, layer in enumerate(self.model.layers):
+            layer.gradient_checkpointing = enable and i % every_n_layers == 0
 
     def initialize_weights(self):
         """The family's init for its modules; zero pseudo-queries and unit key gains for ours (transformers' guarded

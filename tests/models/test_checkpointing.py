@@ -99,7 +99,7 @@ def test_checkpointing_gives_the_same_loss_and_every_gradient(family, residual, 
 @pytest.mark.parametrize("residual", ["standard", "block"])
 def test_the_recompute_draws_the_same_dropout_masks(residual, use_reentrant):
     """Attention dropout inside the checkpointed sublayer: torch's checkpoint restores the random state for the
-    recompute. (Set on the attention modules after construction: see the xfail below.)"""
+    recompute. """
     model = make_model("llama", residual)
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.3
@@ -111,12 +111,6 @@ def test_the_recompute_draws_the_same_dropout_masks(residual, use_reentrant):
     assert_same_step(training_step(model), want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="a model built in training mode (as transformers builds it) with attention_dropout > 0 is refused: the "
-    "plan check at construction compares two forwards of the family layer that draw different dropout masks",
-)
 def test_a_model_with_attention_dropout_builds():
     make_model("llama", "block", attention_dropout=0.3)
 
@@ -198,13 +192,8 @@ def test_use_cache_in_a_checkpointed_training_step_keeps_no_cache():
     assert_same_step(got, want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="activation_checkpointing_enable(every_n_layers=n) counts only transformers' GradientCheckpointingLayer "
-    "layers; AttnResDecoderLayer is a plain nn.Module, so every layer is checkpointed whatever n",
-)
 def test_every_n_layers_checkpoints_every_nth_layer_as_transformers_llama_does():
-    llama = LlamaForCausalLM(LlamaConfig(**BASE, num_hidden_layers=4))
+    llama = LlamaForCausalLM(LlamaConfig(**{**BASE, "num_hidden_layers": 4}))
     llama.activation_checkpointing_enable(every_n_layers=2)
     want = [layer.gradient_checkpointing for layer in llama.model.layers]
     assert want == [True, False, True, False]
