@@ -5,7 +5,7 @@ AttnRes parameters at the full learning rate) trained with several linear warm-u
 loss every 20 steps. Every finished run is added to the JSON (written atomically) and the figure is redrawn, so an
 interrupted experiment keeps what it measured and a rerun skips the runs already in the JSON.
 
-    python experiments/warmup_stall.py                    # standard and Block, warm-up 30/60/100, seeds 0 and 1
+    python experiments/warmup_stall.py                    # standard and Block, warm-up 30/60/100/150/200, seeds 0, 1
     python experiments/warmup_stall.py --seeds 0 --warmups 30 100   # a smaller grid
 
 One thread per run by default (`--threads`), one run at a time. Writes docs/warmup_stall.json and
@@ -28,6 +28,8 @@ from attnres.training.logs import read_log
 
 # a validation loss well below the plateau (about 3.0-3.1 nats/byte) where short warm-ups stall: "has started to learn"
 LEARNED = 2.5
+# the band of validation loss (nats/byte) where the runs slow down after the first fast drop
+PLATEAU = (3.2, 2.9)
 
 
 def run_name(residual: str, warmup: int, lr: float, seed: int) -> str:
@@ -48,6 +50,13 @@ def steps_to(curve: list[tuple[int, float]], level: float) -> int | None:
     return next((s for s, v in curve if v < level), None)
 
 
+def plateau_steps(curve: list[tuple[int, float]]) -> int | None:
+    """Steps from the first evaluation below `PLATEAU[0]` to the first below `PLATEAU[1]`: how long the run sat
+    on the plateau (to the resolution of the evaluation interval; None: never left it)."""
+    into, out = steps_to(curve, PLATEAU[0]), steps_to(curve, PLATEAU[1])
+    return None if into is None or out is None else out - into
+
+
 def run_one(args, residual: str, warmup: int, lr: float, seed: int) -> dict:
     config = config_for(args, residual, warmup, lr, seed)
     wall, cpu = time.perf_counter(), time.process_time()
@@ -63,8 +72,8 @@ def run_one(args, residual: str, warmup: int, lr: float, seed: int) -> dict:
 
 
 def summarise(runs: dict) -> list[dict]:
-    """Per (residual, warm-up, lr): final validation loss over seeds, and the step each seed first got below
-    `LEARNED`."""
+    """Per (residual, warm-up, lr): final validation loss over seeds, the step each seed first got below `LEARNED`
+    and the steps it spent in the `PLATEAU` band."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs.values():
         groups.setdefault((r["residual"], r["warmup"], r["lr"]), []).append(r)
@@ -76,17 +85,18 @@ def summarise(runs: dict) -> list[dict]:
             "val_losses": losses, "mean": statistics.mean(losses),
             "std": statistics.stdev(losses) if len(losses) > 1 else None,
             "steps_to_learned": [r["steps_to_learned"] for r in sorted(rs, key=lambda r: r["seed"])],
+            "plateau_steps": [plateau_steps(r["val_curve"]) for r in sorted(rs, key=lambda r: r["seed"])],
         })
     return rows
 
 
 def markdown(runs: dict) -> str:
-    """One row per (lr, warm-up): each residual's final validation loss (mean, per seed) and the step it first got
-    below `LEARNED`, and Block minus standard."""
+    """One row per (lr, warm-up): each residual's final validation loss (mean, per seed), Block minus standard,
+    and the steps each seed spent in the `PLATEAU` band."""
     rows = {(r["lr"], r["warmup"], r["residual"]): r for r in summarise(runs)}
     residuals = sorted({k[2] for k in rows}, key=lambda x: (x != "standard", x))
     head = ["lr", "warm-up"] + [f"{x} (per seed)" for x in residuals] + [f"{x} - standard" for x in residuals[1:]]
-    head += [f"{x}: step below {LEARNED}" for x in residuals]
+    head += [f"{x}: steps from {PLATEAU[0]} to {PLATEAU[1]}" for x in residuals]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for lr, warmup in sorted({k[:2] for k in rows}):
         got = [rows.get((lr, warmup, x)) for x in residuals]
@@ -94,7 +104,7 @@ def markdown(runs: dict) -> str:
         cells += [f"{g['mean']:.3f} ({', '.join(f'{v:.3f}' for v in g['val_losses'])})" if g else "" for g in got]
         base = got[0]
         cells += [f"{g['mean'] - base['mean']:+.3f}" if g and base else "" for g in got[1:]]
-        cells += [", ".join(str(s) for s in g["steps_to_learned"]) if g else "" for g in got]
+        cells += [", ".join(str(s) for s in g["plateau_steps"]) if g else "" for g in got]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -107,7 +117,7 @@ def draw(runs: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["lr"], r["warmup"]) for r in runs.values()})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.8), sharey=True, squeeze=False)
     colors = {"standard": "C0", "block": "C1", "full": "C2"}
     for ax, (lr, warmup) in zip(axes[0], panels):
         for r in sorted(runs.values(), key=lambda r: (r["residual"], r["seed"])):
@@ -136,7 +146,7 @@ def draw(runs: dict, path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--residuals", nargs="+", default=["standard", "block"])
-    p.add_argument("--warmups", nargs="+", type=int, default=[30, 60, 100])
+    p.add_argument("--warmups", nargs="+", type=int, default=[30, 60, 100, 150, 200])
     p.add_argument("--lrs", nargs="+", type=float, default=[3e-3])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--steps", type=int, default=300)
@@ -150,7 +160,25 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.json)
     data = json.loads(path.read_text()) if path.is_file() else {}
     runs = data.get("runs", {})
-    command = "python experiments/warmup_stall.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = shlex.join(["python", "experiments/warmup_stall.py", *(argv if argv is not None else sys.argv[1:])])
+
+    def save() -> None:
+        data = {
+            "what": "attnres compare's model and data; final validation loss (nats/byte) and its curve by warm-up, "
+                    "residual and seed",
+            "setup": {k: v for k, v in config_for(args, "standard", 0, args.lrs[0], 0).to_dict().items()
+                      if k in ("layers", "dim", "block_size", "seq_len", "batch_size", "steps", "schedule",
+                               "min_lr_ratio", "weight_decay", "attn_res_lr_mult", "max_bytes", "eval_batches",
+                               "threads")},
+            "learned_threshold": LEARNED,
+            "plateau_band": PLATEAU,
+            "command": command,
+            "runs": runs,
+            "summary": summarise(runs),
+        }
+        atomic_write_text(path, json.dumps(data, indent=1))
+        draw(runs, Path(args.figure))
+
     # seed by seed, so the first seed of every setting lands first; the baseline first within a seed
     for seed in args.seeds:
         for lr in args.lrs:
@@ -163,20 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                     r = runs[name]
                     print(f"{name}: val {r['val_loss']:.4f}, below {LEARNED} at step {r['steps_to_learned']}, "
                           f"{r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s cpu", flush=True)
-                    data = {
-                        "what": "attnres compare's model and data; final validation loss (nats/byte) and its curve "
-                                "by warm-up, residual and seed",
-                        "setup": {k: v for k, v in config_for(args, "standard", 0, args.lrs[0], 0).to_dict().items()
-                                  if k in ("layers", "dim", "block_size", "seq_len", "batch_size", "steps",
-                                           "schedule", "min_lr_ratio", "weight_decay", "attn_res_lr_mult",
-                                           "max_bytes", "eval_batches", "threads")},
-                        "learned_threshold": LEARNED,
-                        "command": command,
-                        "runs": runs,
-                        "summary": summarise(runs),
-                    }
-                    atomic_write_text(path, json.dumps(data, indent=1))
-                    draw(runs, Path(args.figure))
+                    save()  # each finished run survives an interruption
+    save()
     print(markdown(runs))
     return 0
 
