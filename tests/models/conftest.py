@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from tests.models import TINY
+
 
 @pytest.fixture
 def tiny_config():
@@ -10,16 +12,7 @@ def tiny_config():
     from attnres.models import AttnResConfig
 
     def make(**overrides) -> AttnResConfig:
-        fields = dict(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-        return AttnResConfig(**{**fields, **overrides})
+        return AttnResConfig(**{**TINY, **overrides})
 
     return make
 

@@ -15,16 +15,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from attnres.models import AttnResConfig, AttnResForCausalLM
+from tests.models import TINY, off_init_
 
-BASE = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+BASE = TINY
 GEMMA = dict(head_dim=16, sliding_window=5)  # a window shorter than the sequence
 # llama: fused plain RMSNorm PreNorms; gemma2 and gemma3_text: 1 + w norms applied to the mixture, and post-sublayer
 # norms inside the checkpointed sublayer
@@ -47,13 +40,7 @@ def make_model(family: str = "llama", residual: str = "block", **fields) -> Attn
     """A tiny model in training mode, its queries and key gains off their init (a zero query hides its key gain)."""
     torch.manual_seed(0)
     model = AttnResForCausalLM(AttnResConfig(**{**BASE, **FAMILIES[family], **RESIDUALS[residual], **fields}))
-    gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("_res_norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+    off_init_(model, seed=2)
     return model.train()
 
 

@@ -28,17 +28,9 @@ from transformers import (
 
 import attnres
 from attnres.models import AttnResForCausalLM
+from tests.models import TINY
 
-COMMON = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    initializer_range=0.2,
-)
+COMMON = {**TINY, "num_hidden_layers": 4, "initializer_range": 0.2}
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),

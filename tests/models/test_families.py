@@ -33,18 +33,15 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 import attnres
 from attnres import naive_depth_attention
 from attnres.models import AttnResConfig, AttnResForCausalLM
+from tests.models import TINY
 from tests.models.test_invariants import reference_sources
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 64
 BASE = dict(
+    TINY,
     vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
     num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
     initializer_range=0.2,  # O(1) activations and decisive logits, so greedy tokens are no near-ties
     bos_token_id=None,
     eos_token_id=None,  # greedy generation runs its full length

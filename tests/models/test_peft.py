@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from attnres.layers import KeyNorm, PseudoQuery
 from attnres.models import AttnResForCausalLM
+from tests.models import off_init_
 
 # The README recipe, run as is by `test_the_readme_recipe`: the caller provides `base_folder` (an AttnRes checkpoint),
 # `adapter_folder` and `batches` (LongTensors [batch, seq]).
@@ -82,17 +83,6 @@ def attnres_prefixes() -> list[str]:
     """Every aggregation point's K3 prefix, under the causal LM, in schedule order."""
     sides = ["self_attention_res", "mlp_res"]
     return [f"model.layers.{i}.{side}" for i in range(LAYERS) for side in sides] + ["model.output_attn_res"]
-
-
-def off_init_(model, seed: int = 0) -> None:
-    """Queries away from zero and key gains away from one (a zero query hides its key gain, and a wrong copy)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("_res_norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
 
 
 def base_model(tiny_config, residual: str) -> AttnResForCausalLM:
