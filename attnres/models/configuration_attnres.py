@@ -9,6 +9,7 @@ from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import SubConfigSpec
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from attnres.layers import RESIDUAL_KINDS
 
@@ -94,6 +95,11 @@ class AttnResConfig(PreTrainedConfig):
             saved_type = kwargs.get("model_type")  # a family's own config.json loaded as an AttnRes config
             family_type = saved_type if saved_type != self.model_type else None
             base = self.base_model_type or (self.text_config or {}).get("model_type") or family_type or "llama"
+            if base not in CONFIG_MAPPING:
+                raise ValueError(
+                    f"base_model_type: expected a transformers decoder family's model_type such as 'llama', 'qwen3' or "
+                    f"'qwen3_moe', got {base!r}"
+                )
             if base == "llama":
                 _check_legacy(family)
             defaults = LLAMA_DEFAULTS if base == "llama" else {}

@@ -24,6 +24,11 @@ def test_bad_settings_raise_value_error_naming_the_setting(overrides, message):
         AttnResConfig(**{"hidden_size": 32, "num_attention_heads": 4, **overrides})
 
 
+def test_an_unknown_family_is_named():
+    with pytest.raises(ValueError, match="base_model_type: expected a transformers decoder family's model_type .* 'nope'"):
+        AttnResConfig(base_model_type="nope")
+
+
 def test_block_size_is_only_checked_where_it_is_used():
     assert AttnResConfig(residual="full", attn_res_block_size=0).residual == "full"
 
