@@ -214,14 +214,38 @@ class AttnResPreTrainedModel(PreTrainedModel):
         _check_inputs(input_ids, inputs_embeds, attention_mask, cache)
         if not self.is_planned():  # checked here, so that a compiled forward of a planned model never calls out
             self.plan_layers()
+        self._refuse_row_routing()
         state = kwargs.pop("attn_res", None)
         if state is None:
             state = self.forward_state(output_depth_weights=output_depth_weights, capture_layers=capture_layers)
         return cache, use_cache, state
 
+    def _refuse_row_routing(self) -> None:
+        """PEFT's mixed-adapter batches (`adapter_names=[...]`) route each row through its adapter by a hook on each
+        module's forward; an aggregation point never calls its modules (it reads their weights), so every row would get
+        one adapter's AttnRes parameters. Refused; PEFT does not remove its hooks when a forward raises, so they go."""
+        for point in self.aggregation_points() or ():
+            for name in (point.proj_name, point.norm_name):
+                if _routes_rows(getattr(point.owner, name)):
+                    for module in self.modules():
+                        for key in [k for k, hook in module._forward_pre_hooks.items() if _routes_rows_hook(hook)]:
+                            del module._forward_pre_hooks[key]
+                    raise ValueError(
+                        "adapter_names: PEFT mixed-adapter batches cannot route the AttnRes parameters per row; run "
+                        "one adapter per batch"
+                    )
+
     def _plan_unless_meta(self) -> None:
         if not any(p.is_meta for p in self.parameters()):
             self.plan_layers()
+
+
+def _routes_rows_hook(hook) -> bool:
+    return getattr(hook, "keywords", {}).get("adapter_names") is not None
+
+
+def _routes_rows(module: nn.Module) -> bool:
+    return any(_routes_rows_hook(hook) for hook in module._forward_pre_hooks.values())
 
 
 def _check_capture_layers(capture_layers: Sequence[int] | None, num_layers: int) -> list[int]:
