@@ -239,5 +239,5 @@ def test_what_is_not_a_decoder_causal_lm_is_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16))
     with pytest.raises(ValueError, match=r"the 'gpt2' model keeps no decoder `layers` list"):
         attnres.convert_from_hf(gpt2)
-    with pytest.raises(TypeError, match="model: expected a transformers \*ForCausalLM decoder model, got LlamaModel"):
+    with pytest.raises(TypeError, match=r"model: expected a transformers \*ForCausalLM decoder model, got LlamaModel"):
         attnres.convert_from_hf(LlamaModel(LlamaConfig(**COMMON)))  # a base model without its head
