@@ -116,7 +116,6 @@ def measure(kind: str, model, ids: torch.Tensor, args: argparse.Namespace) -> di
     seconds = median_times(
         {"plain": lambda: step(plain, ids), "checkpointed": lambda: step(checkpointed, ids)}, args.repeats, warmup=1
     )
-    del checkpointed
     return {
         "residual": kind,
         "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
