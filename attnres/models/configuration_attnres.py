@@ -176,6 +176,8 @@ def _check_attention_fields(config) -> None:
         raise ValueError(f"hidden_act: expected an activation transformers knows (ACT2FN), got {act!r}")
 
 
+# the fields AttnResConfig adds to PreTrainedConfig's, and every field of its own (never the family's)
+ATTNRES_FIELDS = {f.name for f in fields(AttnResConfig)} - {f.name for f in fields(PreTrainedConfig)}
 _OWN_FIELDS = {f.name for f in fields(AttnResConfig)} | {"model_type"}
 
 

@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import fields
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from attnres.models.configuration_attnres import AttnResConfig
+from attnres.models.configuration_attnres import ATTNRES_FIELDS, AttnResConfig
 from attnres.models.family import check_family_model
 from attnres.models.loading import is_attnres_key
 from attnres.models.modeling_attnres import AttnResForCausalLM
 
-_ATTNRES_FIELDS = {f.name for f in fields(AttnResConfig)} - {f.name for f in fields(AttnResConfig.__mro__[1])}
 
 
 def attnres_config_from_hf(
@@ -32,10 +30,10 @@ def attnres_config_from_hf(
     """The `AttnResConfig` over a copy of the family config `config`; `config_overrides` win (AttnRes fields, or family
     fields, which are set on the copy)."""
     text_config = copy.deepcopy(config)
-    family = {k: v for k, v in config_overrides.items() if k not in _ATTNRES_FIELDS}
+    family = {k: v for k, v in config_overrides.items() if k not in ATTNRES_FIELDS}
     for name, value in family.items():
         setattr(text_config, name, value)
-    ours = {k: v for k, v in config_overrides.items() if k in _ATTNRES_FIELDS}
+    ours = {k: v for k, v in config_overrides.items() if k in ATTNRES_FIELDS}
     converted = AttnResConfig(
         text_config=text_config,
         residual=residual,

@@ -135,10 +135,6 @@ def plan_layer(
     passes), each child's output replaced by a random tensor."""
     calls: list[_Call] = []
     gen = torch.Generator(device=hidden.device).manual_seed(0)
-    pending: dict[int, tuple] = {}
-
-    def pre(module, args, kw):
-        pending[id(module)] = (args, kw)
 
     def post(module, args, kw, output):
         name = next(n for n, m in layer.named_children() if m is module)
@@ -150,10 +146,7 @@ def plan_layer(
         calls.append(_Call(name, tensor, stand_in, isinstance(output, tuple), not args, dict(kw)))
         return (stand_in, *output[1:]) if isinstance(output, tuple) else stand_in
 
-    handles = []
-    for child in layer.children():
-        handles.append(child.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(child.register_forward_hook(post, with_kwargs=True))
+    handles = [child.register_forward_hook(post, with_kwargs=True) for child in layer.children()]
     try:
         with torch.no_grad():
             out = layer_cls.forward(layer, hidden, **kwargs, **{_EXTRA: True})
@@ -240,6 +233,12 @@ def run_sublayer(layer: nn.Module, side: Sublayer, x: torch.Tensor, kwargs: dict
     return out * side.scale if side.scale != 1.0 else out
 
 
+def probe_input(model: nn.Module) -> torch.Tensor:
+    """Token ids `[1, PROBE_TOKENS]` for a probe forward of `model`, on its embedding's device."""
+    embed = model.get_input_embeddings()
+    return (torch.arange(PROBE_TOKENS, device=embed.weight.device) % embed.weight.shape[0])[None]
+
+
 class _Captured(Exception):
     pass
 
@@ -258,12 +257,10 @@ def check_family_model(lm: nn.Module, family: str) -> None:
         seen["hidden"], seen["kwargs"] = (args[0], kwargs) if args else (kwargs.pop("hidden_states"), kwargs)
         raise _Captured
 
-    embed = lm.get_input_embeddings()
-    ids = (torch.arange(PROBE_TOKENS, device=embed.weight.device) % embed.weight.shape[0])[None]
     handle = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
     try:
         with torch.no_grad():
-            base(input_ids=ids, use_cache=False)
+            base(input_ids=probe_input(lm), use_cache=False)
     except _Captured:
         pass
     finally:

@@ -31,7 +31,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from attnres.models.configuration_attnres import AttnResConfig
 from attnres.models.loading import check_bank_layout, check_loaded_weights, saved_config
 from attnres.layers import KeyNorm, NamedPoint, PseudoQuery
-from attnres.models.wiring import OUTPUT_POINT, AttnResDecoderLayer, ForwardState, add_points, probe_input
+from attnres.models.family import probe_input
+from attnres.models.wiring import OUTPUT_POINT, AttnResDecoderLayer, ForwardState, add_points
 
 
 @dataclass
@@ -214,17 +215,17 @@ class AttnResPreTrainedModel(PreTrainedModel):
         _check_inputs(input_ids, inputs_embeds, attention_mask, cache)
         if not self.is_planned():  # checked here, so that a compiled forward of a planned model never calls out
             self.plan_layers()
-        self._refuse_row_routing()
         state = kwargs.pop("attn_res", None)
         if state is None:
             state = self.forward_state(output_depth_weights=output_depth_weights, capture_layers=capture_layers)
+        self._refuse_row_routing(state.points or ())
         return cache, use_cache, state
 
-    def _refuse_row_routing(self) -> None:
+    def _refuse_row_routing(self, points) -> None:
         """PEFT's mixed-adapter batches (`adapter_names=[...]`) route each row through its adapter by a hook on each
         module's forward; an aggregation point never calls its modules (it reads their weights), so every row would get
         one adapter's AttnRes parameters. Refused; PEFT does not remove its hooks when a forward raises, so they go."""
-        for point in self.aggregation_points() or ():
+        for point in points:
             for name in (point.proj_name, point.norm_name):
                 if _routes_rows(getattr(point.owner, name)):
                     for module in self.modules():

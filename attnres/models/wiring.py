@@ -19,7 +19,7 @@ from torch import nn
 
 from attnres.layers import ResidualStream, make_stream
 from attnres.layers.depth_attention import KeyNorm, NamedPoint, PseudoQuery
-from attnres.models.family import PROBE_TOKENS, Sublayer, plan_layer, probe_tolerance, run_sublayer
+from attnres.models.family import Sublayer, plan_layer, probe_tolerance, run_sublayer
 
 # Kimi K3 names of the two aggregation points of a decoder layer, and of the final read on the base model
 SIDE_NAMES = ("self_attention_res", "mlp_res")
@@ -193,9 +193,3 @@ class AttnResDecoderLayer(nn.Module):
             )
         self.sides = sides
         return want
-
-
-def probe_input(model: nn.Module) -> torch.Tensor:
-    """Token ids `[1, PROBE_TOKENS]` for the probe forward of `model` (an AttnRes model), on its device."""
-    embed = model.get_input_embeddings()
-    return (torch.arange(PROBE_TOKENS, device=embed.weight.device) % embed.weight.shape[0])[None]
