@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from attnres.bench.models import build_models  # noqa: E402
 from attnres.bench.timing import median_times  # noqa: E402
+from attnres.training.checkpoint import atomic_write_text  # noqa: E402
 
 MIB = 2**20
 KINDS = ("standard", "block", "full")
@@ -156,15 +156,7 @@ def print_tables(results: list[dict], args: argparse.Namespace) -> None:
 
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write_text(path, json.dumps(payload, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:

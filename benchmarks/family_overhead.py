@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -24,6 +23,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 import attnres
 from attnres.bench.models import decode_step, training_step
 from attnres.bench.timing import median_times
+from attnres.training.checkpoint import atomic_write_text
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,11 +62,8 @@ def build(args) -> dict[str, torch.nn.Module]:
 
 
 def write_json(path: str, data: dict) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as f:
-        json.dump(data, f, indent=2)
-    os.replace(f.name, path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
