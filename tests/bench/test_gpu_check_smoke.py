@@ -1,0 +1,97 @@
+"""benchmarks/gpu_check.sh --smoke: every stage of the GPU check runs on CPU (tiny sizes, Triton interpreted), its
+parity checks compare the kernels with the torch path for real, and the report holds every stage. No timing assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_model_check as check  # noqa: E402
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
+    env = {**os.environ, "GPU_CHECK_JSON": str(out), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--smoke"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert "PASS  parity: block two-phase fp32" in proc.stdout
+    return json.loads(out.read_text())
+
+
+def test_every_stage_ran(report):
+    assert report["smoke"] is True
+    assert list(report["stages"]) == list(check.STAGES)
+    for name, stage in report["stages"].items():
+        assert stage["status"] == ("skipped" if name == "op_tests" else "ok"), (name, stage)
+        assert not stage.get("errors"), (name, stage["errors"])
+
+
+def test_parity_compares_the_kernels_with_the_torch_path(report):
+    parity = report["stages"]["parity"]["result"]
+    assert set(parity) == {name for name, *_ in check.PARITY_CASES}
+    for name, row in parity.items():
+        assert row["passed"] and row["routed"], (name, row)
+        # a real comparison: the two paths differ by rounding, not zero (the same path twice would give exactly 0)
+        assert 0 < row["kernels_vs_torch"]["grad"] < 0.2, (name, row)
+        assert row["gradients"] > 10
+    assert {"stats_fwd", "merge_bwd"} <= set(parity["block two-phase fp32"]["kernel_calls"])
+    assert "merge_fwd" not in parity["block one-shot fp32"]["kernel_calls"]
+
+
+def test_decode_variants_match_the_reference(report):
+    decode = report["stages"]["decode"]["result"]
+    variants = [k for k in decode if k != "reference"]
+    assert len(variants) == 3 and any("compile" in k for k in variants)
+    for name in variants:
+        row = decode[name]
+        assert row["passed"] and row["tokens_equal"] and row["kernel_calls"]["bank_aggregate"] > 0, (name, row)
+
+
+def test_memory_timing_and_operator_rows(report):
+    memory = report["stages"]["memory"]["result"]
+    assert {name for name, *_ in check.MEMORY_KINDS} == set(memory)
+    assert all(row["saved_MiB"] > 0 for row in memory.values())
+    timing = report["stages"]["timing"]["result"]
+    for case in ("train", "prefill", "decode"):
+        assert set(timing[case]["ratio"]) == {"standard", "block", "full"}
+        assert all(ms > 0 for ms in timing[case]["ms"].values())
+    rows = report["stages"]["op_hbm"]["result"]["rows"]
+    assert {"attnres triton", "fla naive_attnres"} <= {r["impl"] for r in rows}
+    assert {t["target"].split(" ")[0] for t in report["targets"]} >= {"op", "train", "decode"}
+
+
+def run(grad_scale: float = 1.0) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    grads = {"a": torch.randn(5, generator=g), "b": torch.randn(3, generator=g), "zero": torch.zeros(2)}
+    return torch.tensor(2.0), {k: v * grad_scale for k, v in grads.items()}
+
+
+def test_verdict_fails_a_wrong_gradient_and_a_silent_fallback():
+    truth, near = run(), run(1 + 1e-7)
+    ok = check.parity_verdict(truth, near, near, {}, {"fwd": 3, "bwd": 3}, ("fwd", "bwd"), 1e-5)
+    assert ok["passed"]
+    wrong = check.parity_verdict(truth, near, run(1.01), {}, {"fwd": 3, "bwd": 3}, ("fwd", "bwd"), 1e-5)
+    assert not wrong["passed"] and wrong["kernels_vs_fp64"]["grad"] == pytest.approx(0.01)
+    fallback = check.parity_verdict(truth, near, near, {}, {"fwd": 3}, ("fwd", "bwd"), 1e-5)
+    assert not fallback["passed"] and not fallback["routed"]
+    torch_ran_kernels = check.parity_verdict(truth, near, near, {"fwd": 1}, {"fwd": 3, "bwd": 3}, ("fwd", "bwd"), 1e-5)
+    assert not torch_ran_kernels["passed"]
+    # a gradient that should vanish but does not is measured at the median gradient's scale
+    leaky = run()
+    leaky[1]["zero"] = torch.full((2,), 0.5)
+    assert not check.parity_verdict(truth, near, leaky, {}, {"fwd": 1, "bwd": 1}, ("fwd", "bwd"), 1e-5)["passed"]
