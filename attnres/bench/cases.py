@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from attnres.bench.models import FastRMSNorm
 from attnres.bench.timing import median_times
-from attnres.ops import depth_attention, depth_stats, finish_stats, merge_stats, naive_depth_stats
+from attnres.layers import DepthAttention, make_stream
+from attnres.ops import depth_attention
 from attnres.ops.backends import last_backend
 from attnres.ops.bank import bank_aggregate
 from attnres.ops.naive import naive_bank_aggregate, naive_depth_attention
-from attnres.ops.two_phase import SoftmaxStats
 
 if TYPE_CHECKING:
     from attnres.bench.suite import SuiteConfig
@@ -148,47 +149,47 @@ def operator_cases(cfg: SuiteConfig, dtype_name: str, peer: CompiledPeer) -> lis
     return results
 
 
-def two_phase_case(cfg: SuiteConfig, dtype_name: str, peer: CompiledPeer) -> CaseResult:
-    """The block path forward: S sublayers of one block read R - 1 completed summaries and the block prefix.
-    Two-phase (`depth_stats` over the summaries for all S queries at once, then per sublayer the prefix's own
-    statistics, `merge_stats` and `finish_stats`) against S one-shot `depth_attention` calls, the twin of the
-    two-phase path, S `torch.sum`s and S calls of the compiled peer. Bytes: the floor of the two-phase path,
-    summaries read once and per sublayer the prefix read and the output written, (R - 1 + 2S) * T * d * e."""
-    R, S, T, d, dtype = cfg.sources, cfg.queries, cfg.tokens, cfg.dim, DTYPES[dtype_name]
-    e = torch.finfo(dtype).bits // 8
-    stacked = torch.randn(R, T, d).to(dtype)
-    *summaries, prefix = stacked.unbind(0)
-    queries = torch.randn(S, d) / d**0.5
-    gains = 1 + 0.1 * torch.randn(S, d)
+def stream_cases(cfg: SuiteConfig, dtype_name: str) -> list[CaseResult]:
+    """The residual path exactly as the models run it, with trivial sublayers (`v = x / 2`) so that it dominates:
+    `make_stream` over `stream_layers` decoder layers, the standard residual against Block one-shot and Block
+    two-phase (forced on: phase 1 over the completed summaries, then `merge_prefix` per point), a training forward +
+    backward and an inference forward (no autograd: the fused bank path, `bank_merge` in phase 2). Every read fuses a
+    plain RMSNorm; the standard stream's norm is the fastest plain one (`models.fast_norms`' forward)."""
+    L, S, T, d, dtype = cfg.stream_layers, cfg.stream_block_size, cfg.model_tokens, cfg.model_dim, DTYPES[dtype_name]
+    embedding = torch.randn(T, d).to(dtype).requires_grad_()
+    points = [DepthAttention(d).to(dtype) for _ in range(2 * L + 1)]
+    with torch.no_grad():
+        for point in points:
+            point.proj.weight.normal_(0.0, 0.3)
+    norm = FastRMSNorm(d, EPS).to(dtype)
+    grad_out = torch.randn(T, d).to(dtype)
+    leaves = [embedding, norm.weight, *(p for point in points for p in point.parameters())]
 
-    def two_phase(stats_fn) -> Callable[[], list[torch.Tensor]]:
-        def run() -> list[torch.Tensor]:
-            block = stats_fn(summaries, queries, gains, eps=EPS)
-            outs = []
-            for s in range(S):
-                own = stats_fn([prefix], queries[s : s + 1], gains[s : s + 1], eps=EPS)
-                mine = SoftmaxStats(block.m[s : s + 1], block.z[s : s + 1], block.u[s : s + 1])
-                outs.append(finish_stats(merge_stats(mine, own), dtype=dtype)[0])
-            return outs
+    def forward(kind: str, two_phase: bool | None, inference: bool) -> torch.Tensor:
+        stream = make_stream(kind, embedding, L, points, block_size=S, two_phase=two_phase, inference=inference)
+        for _ in range(2 * L):
+            stream.write(stream.read(norm) * 0.5)
+        return stream.read(norm)
+
+    def train(kind: str, two_phase: bool | None) -> Callable[[], None]:
+        def run() -> None:
+            forward(kind, two_phase, inference=False).backward(grad_out)
+            for t in leaves:
+                t.grad = None
 
         return run
 
-    def one_shot() -> list[torch.Tensor]:
-        return [depth_attention([*summaries, prefix], queries[s], gains[s], eps=EPS) for s in range(S)]
+    def infer(kind: str, two_phase: bool | None) -> Callable[[], torch.Tensor]:
+        return torch.no_grad()(lambda: forward(kind, two_phase, inference=True))
 
-    impls = {
-        SUM: lambda: [stacked.sum(0) for _ in range(S)],
-        TWIN: two_phase(naive_depth_stats),
-        _with_backend("one-shot x S", one_shot): one_shot,
-        _with_backend("two-phase", two_phase(depth_stats)): two_phase(depth_stats),
-    }
-    def peer_calls() -> list[torch.Tensor]:
-        return [peer.fn(queries[s], [*summaries, prefix], gains[s], rms_eps=EPS) for s in range(S)]
-
-    name = f"two-phase block fwd S={S} R={R} T={T} d={d} {dtype_name}"
-    with torch.no_grad():
-        seconds = _timed(name, impls, peer_calls, peer, cfg)
-    return CaseResult(name, SUM, seconds, (R - 1 + 2 * S) * T * d * e)
+    variants = {"standard": ("standard", None), "block one-shot": ("block", False), "block two-phase": ("block", True)}
+    shape = f"L={L} block={S} T={T} d={d} {dtype_name}"
+    return [
+        CaseResult(f"residual stream fwd+bwd {shape}", "standard",
+                   median_times({k: train(*v) for k, v in variants.items()}, cfg.repeats, cfg.warmup)),
+        CaseResult(f"residual stream inference {shape}", "standard",
+                   median_times({k: infer(*v) for k, v in variants.items()}, cfg.repeats, cfg.warmup)),
+    ]
 
 
 def bank_case(cfg: SuiteConfig, dtype_name: str, peer: CompiledPeer) -> CaseResult:

@@ -8,21 +8,24 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from attnres.bench import models
-from attnres.bench.cases import DTYPES, CaseResult, CompiledPeer, bank_case, operator_cases, two_phase_case
+from attnres.bench.cases import DTYPES, CaseResult, CompiledPeer, bank_case, operator_cases, stream_cases
 from attnres.bench.timing import copy_bandwidth, median_times
 
-GROUPS = ("operator", "two-phase", "bank", "train", "prefill", "decode")
+GROUPS = ("operator", "two-phase", "bank", "train", "prefill", "decode", "small")
 
 
 @dataclass(frozen=True)
 class SuiteConfig:
-    """Sizes of every case. Defaults: the operator at R = 9, T = 4096, d = 2048 (issue 6 item 2) and a model with
-    d = 512, 8 decoder layers, T = 1024 (item 5)."""
+    """Sizes of every case. Defaults: the operator at R = 9, T = 4096, d = 2048 (issue 6 item 2), a model with
+    d = 512, 8 decoder layers, T = 1024 (item 5), the residual streams of 32 layers at the model's T and d, and the
+    small model of `attnres compare` (issue 13 item 4). `family_norms` keeps the family's Python RMSNorm in the
+    models instead of the fastest plain norm (`models.fast_norms`)."""
 
     sources: int = 9  # R
     tokens: int = 4096  # T of the operator cases
     dim: int = 2048
-    queries: int = 4  # S, sublayers of one block in the two-phase case
+    stream_layers: int = 32  # decoder layers of the two-phase (residual stream) case
+    stream_block_size: int = 4  # its Block block size, in decoder layers
     dtypes: tuple[str, ...] = ("fp32", "bf16")
     model_dim: int = 512
     model_layers: int = 8
@@ -36,14 +39,22 @@ class SuiteConfig:
     decode_repeats: int = 30
     warmup: int = 1
     copy_mib: int = 256
+    small_dim: int = 96  # the small model: `attnres compare`'s size
+    small_layers: int = 6
+    small_batch: int = 16
+    small_tokens: int = 128
+    small_repeats: int = 15
+    family_norms: bool = False
     compile: bool = True
     compile_timeout: float = 120.0
     groups: tuple[str, ...] = GROUPS
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("sources", "tokens", "dim", "queries", "model_dim", "model_layers", "model_heads", "model_tokens",
-                     "vocab", "block_size", "batch", "context", "repeats", "decode_repeats", "copy_mib"):
+        for name in ("sources", "tokens", "dim", "stream_layers", "stream_block_size", "model_dim", "model_layers",
+                     "model_heads", "model_tokens", "vocab", "block_size", "batch", "context", "repeats",
+                     "decode_repeats", "copy_mib", "small_dim", "small_layers", "small_batch", "small_tokens",
+                     "small_repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -61,8 +72,9 @@ class SuiteConfig:
     @classmethod
     def quick(cls, **overrides) -> SuiteConfig:
         """Tiny sizes: every case runs in seconds (a smoke run, not a measurement)."""
-        tiny = dict(sources=4, tokens=64, dim=64, queries=2, model_dim=64, model_layers=2, model_heads=2,
-                    model_tokens=32, vocab=128, context=16, repeats=2, decode_repeats=3, copy_mib=4)
+        tiny = dict(sources=4, tokens=64, dim=64, stream_layers=4, stream_block_size=2, model_dim=64, model_layers=2,
+                    model_heads=2, model_tokens=32, vocab=128, context=16, repeats=2, decode_repeats=3, copy_mib=4,
+                    small_dim=32, small_layers=2, small_batch=2, small_tokens=16, small_repeats=2)
         return cls(**{**tiny, **overrides})
 
 
@@ -94,6 +106,9 @@ def model_cases(cfg: SuiteConfig) -> list[CaseResult]:
     built = models.build_models(dim=cfg.model_dim, layers=cfg.model_layers, heads=cfg.model_heads, vocab=cfg.vocab,
                                 block_size=cfg.block_size, max_tokens=max(cfg.model_tokens, cfg.context + 1),
                                 seed=cfg.seed)
+    if not cfg.family_norms:
+        for model in built.values():
+            models.fast_norms(model)
     gen = torch.Generator().manual_seed(cfg.seed)
     size = f"d={cfg.model_dim} L={cfg.model_layers}"
     results = []
@@ -116,6 +131,20 @@ def model_cases(cfg: SuiteConfig) -> list[CaseResult]:
     return results
 
 
+def small_model_case(cfg: SuiteConfig) -> CaseResult:
+    """Training steps of `attnres compare`'s model (vocabulary 256, 4 heads, block size 2) where per-point overheads
+    weigh most: Block and Full against standard, round-robin; tokens/s is batch * tokens over the step time."""
+    built = models.build_models(dim=cfg.small_dim, layers=cfg.small_layers, heads=4, vocab=256, block_size=2,
+                                max_tokens=cfg.small_tokens, seed=cfg.seed)
+    if not cfg.family_norms:
+        for model in built.values():
+            models.fast_norms(model)
+    ids = torch.randint(0, 256, (cfg.small_batch, cfg.small_tokens), generator=torch.Generator().manual_seed(cfg.seed))
+    steps = {kind: models.training_step(m, ids) for kind, m in built.items()}
+    name = f"small train step d={cfg.small_dim} L={cfg.small_layers} {cfg.small_batch}x{cfg.small_tokens}"
+    return CaseResult(name, "standard", median_times(steps, cfg.small_repeats, max(cfg.warmup, 2)))
+
+
 def run_suite(cfg: SuiteConfig, log=print) -> SuiteResult:
     """Measure the copy bandwidth, then every case of `cfg.groups`; `log` gets one line per case as it finishes."""
     torch.manual_seed(cfg.seed)
@@ -134,11 +163,15 @@ def run_suite(cfg: SuiteConfig, log=print) -> SuiteResult:
         if "operator" in cfg.groups:
             add(operator_cases(cfg, dtype, peer))
         if "two-phase" in cfg.groups:
-            add([two_phase_case(cfg, dtype, peer)])
+            add(stream_cases(cfg, dtype))
         if "bank" in cfg.groups:
             add([bank_case(cfg, dtype, peer)])
     if set(cfg.groups) & {"train", "prefill", "decode"}:
         add(model_cases(cfg))
+    if "small" in cfg.groups:
+        add([small_model_case(cfg)])
+    notes.append("models: the family's Python RMSNorm" if cfg.family_norms else
+                 "models: every plain RMSNorm the fastest available (attnres.bench.models.fast_norms)")
     machine = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                "cpu": platform.processor() or platform.machine()}
     return SuiteResult(cfg, bandwidth, cases, notes, machine)

@@ -12,8 +12,9 @@ from attnres.bench.cases import CompiledPeer
 from attnres.bench.suite import SuiteConfig
 from attnres.bench.timing import copy_bandwidth, median_times
 
-CASE_PREFIXES = ("operator fwd ", "operator fwd+bwd ", "two-phase block fwd ", "fused inference aggregation ",
-                 "train step ", "prefill ", "decode ")
+CASE_PREFIXES = ("operator fwd ", "operator fwd+bwd ", "residual stream fwd+bwd ", "residual stream inference ",
+                 "fused inference aggregation ", "train step ", "prefill ", "decode ", "small train step ")
+MODEL_PREFIXES = ("train", "prefill", "decode", "small", "residual stream")
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +37,12 @@ def test_json_has_every_case_with_positive_times_and_ratios(quick_run):
         assert all(ms > 0 for ms in case["ms"].values()), case
         assert all(r > 0 for r in case["ratio"].values()), case
         assert case["ratio"][case["reference"]] == 1.0
-        memory_bound = not case["name"].startswith(("train", "prefill", "decode"))
+        memory_bound = not case["name"].startswith(MODEL_PREFIXES)
         assert (case["bytes"] is not None) == memory_bound, case
         if memory_bound:
             assert set(case["GB/s"]) == set(case["ms"]) and all(v > 0 for v in case["of_copy"].values())
+        elif case["name"].startswith("residual stream"):
+            assert set(case["ms"]) == {"standard", "block one-shot", "block two-phase"}
         else:
             assert set(case["ms"]) == {"standard", "block", "full"}
     assert any("--no-compile" in note for note in result["notes"])
@@ -103,3 +106,36 @@ def test_median_times_runs_round_robin_and_validates():
     assert copy_bandwidth(2**20, repeats=1) > 0
     with pytest.raises(ValueError, match="nbytes"):
         copy_bandwidth(0)
+
+
+def test_fast_norms_keep_every_output_and_gradient_and_the_fused_prenorms():
+    import copy
+
+    import torch
+
+    from attnres.bench.models import build_models, fast_norms
+
+    built = build_models(dim=32, layers=2, heads=2, vocab=64, block_size=1, max_tokens=16)
+    ids = torch.randint(0, 64, (2, 12))
+    for kind, model in built.items():
+        fast = copy.deepcopy(model)
+        assert fast_norms(fast) == 5  # two PreNorms a layer and the final norm
+        runs = []
+        for m in (model, fast):
+            m.zero_grad(set_to_none=True)
+            loss = m(ids, labels=ids).loss
+            loss.backward()
+            runs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+        torch.testing.assert_close(runs[1][0], runs[0][0])
+        assert runs[1][1].keys() == runs[0][1].keys()
+        for name, grad in runs[0][1].items():
+            torch.testing.assert_close(runs[1][1][name], grad, rtol=1e-4, atol=1e-6, msg=f"{kind} {name}")
+        with torch.no_grad():
+            torch.testing.assert_close(fast(ids).logits, model(ids).logits)
+        if kind != "standard":  # the AttnRes PreNorms stay fused: the family norms' forward is never called
+            calls = []
+            layer_norm = fast.model.layers[1].input_layernorm
+            forward = layer_norm.forward
+            layer_norm.forward = lambda x: calls.append(1) or forward(x)
+            fast(ids)
+            assert not calls
