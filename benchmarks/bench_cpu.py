@@ -14,12 +14,19 @@ through torch beyond its outputs, from the profiler's allocation events (the com
 a torch allocation: by analysis it is a few d-long fp32 rows and 2R(2S + 1) registers of partial sums per
 thread).
 
-Fresh outputs of hundreds of MiB cost page faults as well as writes. The kernel asks for transparent huge pages
-for its outputs; torch does so for all of its allocations under THP_MEM_ALLOC_ENABLE=1, so run once with and
-once without it to see how much of a difference is page faults.
+Fresh outputs of hundreds of MiB cost page faults as well as writes: every case also reports the minor page faults
+of one call (median). The kernel asks for transparent huge pages for its outputs; torch does so for all of its
+allocations under THP_MEM_ALLOC_ENABLE=1, so run once with and once without it to see how much of a difference is
+page faults.
+
+A process's timings can differ from the next one's for its whole life (issue 13 saw the fp32 forward at 0.9x or at
+2-3.5x `torch.sum` depending on the process), so `--processes N` runs the whole measurement in N fresh processes, one
+after another, and reports each case's spread over them (the median, least and most of the per-process medians, and of
+its ratio to `torch.sum`) beside every process's own figures.
 
     python benchmarks/bench_cpu.py                        # R=9, T=4096, d=2048, S=8 queries, fp32 and bf16
     THP_MEM_ALLOC_ENABLE=1 python benchmarks/bench_cpu.py --repeats 15 --json cpu.json
+    python benchmarks/bench_cpu.py --processes 6 --dtypes fp32 --queries 0 --json docs/bench_cpu_processes.json
 """
 
 from __future__ import annotations
@@ -27,7 +34,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,6 +47,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from attnres.ops import cpu
+from attnres.training.checkpoint import atomic_write_text
 from attnres.ops.depth_attention import torch_depth_attention_bwd, torch_depth_attention_fwd
 from attnres.ops.two_phase import torch_depth_stats_bwd, torch_depth_stats_fwd
 
@@ -48,7 +59,7 @@ class Case:
     """One timed call, the bytes it moves by the bytes model, and how many rounds it takes part in."""
 
     def __init__(self, fn: Callable[[], object], nbytes: int, rounds: int):
-        self.fn, self.nbytes, self.rounds, self.seconds = fn, nbytes, rounds, []
+        self.fn, self.nbytes, self.rounds, self.seconds, self.faults = fn, nbytes, rounds, [], []
 
     def median(self) -> float:
         return statistics.median(self.seconds)
@@ -60,9 +71,11 @@ def run_rounds(cases: dict[str, Case]) -> None:
     for r in range(max(c.rounds for c in cases.values())):
         for case in cases.values():
             if r < case.rounds:
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start = time.perf_counter()
                 case.fn()
                 case.seconds.append(time.perf_counter() - start)
+                case.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 
 
 def peak_extra_bytes(fn: Callable[[], object]) -> int:
@@ -136,7 +149,8 @@ def summarise(cases: dict[str, Case], forwards: dict[str, Callable], copy: Case,
     for name, case in cases.items():
         seconds = case.median()
         gbps = case.nbytes / seconds
-        rows[name] = {"ms": seconds * 1e3, "GB/s": gbps / 1e9, "of_copy": gbps / bandwidth}
+        rows[name] = {"ms": seconds * 1e3, "GB/s": gbps / 1e9, "of_copy": gbps / bandwidth,
+                      "faults_per_call": statistics.median(case.faults)}
     for name in ("fast fwd", "torch fwd"):
         rows[name]["vs_sum"] = rows[name]["ms"] / rows["torch.sum"]["ms"]
     for name in forwards:
@@ -156,18 +170,64 @@ def print_table(name: str, result: dict, args: argparse.Namespace) -> None:
         f"(one [T, d] fp32 buffer = {buffer_mib:.1f} MiB)"
     )
     print(f"{'case':<17}{'ms':>9}{'GB/s':>8}{'of copy':>9}{'vs sum':>8}{'vs torch':>9}{'extra MiB':>11}"
-          f"{'vs S x 1-shot':>15}")
+          f"{'vs S x 1-shot':>15}{'faults':>8}")
     for case, r in result["cases"].items():
         cells = [f"{r[k]:.2f}" if k in r else "" for k in ("vs_sum", "vs_torch", "peak_extra_MiB", "vs_one_shot")]
         print(f"{case:<17}{r['ms']:>9.1f}{r['GB/s']:>8.1f}{r['of_copy']:>9.0%}{cells[0]:>8}{cells[1]:>9}{cells[2]:>11}"
-              f"{cells[3]:>15}")
+              f"{cells[3]:>15}{r['faults_per_call']:>8.0f}")
 
 
 def write_json(path: Path, results: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(results, f, indent=2)
-    os.replace(tmp, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(results, indent=2) + "\n")
+
+
+def over_processes(args: argparse.Namespace, names: list[str]) -> dict:
+    """The whole measurement in `args.processes` fresh processes, one after another; each case's spread over them."""
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.processes):
+            out = Path(tmp) / f"{i}.json"
+            argv = strip_option(strip_option(sys.argv[1:], "--json"), "--processes")
+            cmd = [sys.executable, __file__, *argv, "--processes", "1", "--json", str(out)]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            runs.append(json.loads(out.read_text()))
+            fwd = runs[-1][names[0]]["cases"]["fast fwd"]
+            print(f"process {i + 1}/{args.processes}: {names[0]} fast fwd {fwd['ms']:.1f} ms, {fwd['vs_sum']:.2f}x sum")
+    spread = {}
+    for name in names:
+        spread[name] = {}
+        for case in runs[0][name]["cases"]:
+            ms = [run[name]["cases"][case]["ms"] for run in runs]
+            row = {"ms_median": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms)}
+            if "vs_sum" in runs[0][name]["cases"][case]:
+                ratios = [run[name]["cases"][case]["vs_sum"] for run in runs]
+                row.update(vs_sum_median=statistics.median(ratios), vs_sum_min=min(ratios), vs_sum_max=max(ratios))
+            spread[name][case] = row
+    return {"processes": runs, "spread": spread}
+
+
+def strip_option(argv: list[str], option: str) -> list[str]:
+    """`argv` without `option` and its value (given as `--opt v` or `--opt=v`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(f"{option}="):
+            out.append(a)
+    return out
+
+
+def print_spread(spread: dict, processes: int) -> None:
+    print(f"\nspread over {processes} fresh processes (median [least, most] of the per-process medians)")
+    print(f"{'dtype':<6}{'case':<17}{'ms':>26}{'vs sum':>22}")
+    for name, cases in spread.items():
+        for case, r in cases.items():
+            ratio = f"{r['vs_sum_median']:.2f} [{r['vs_sum_min']:.2f}, {r['vs_sum_max']:.2f}]" if "vs_sum_median" in r else ""
+            ms = f"{r['ms_median']:.1f} [{r['ms_min']:.1f}, {r['ms_max']:.1f}]"
+            print(f"{name:<6}{case:<17}{ms:>26}{ratio:>22}")
 
 
 def main() -> None:
@@ -181,6 +241,8 @@ def main() -> None:
     parser.add_argument("--torch-repeats", type=int, default=3, help="rounds of the slow torch path (default 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="run everything in this many fresh processes and report the spread (default 1)")
     args = parser.parse_args()
     names = args.dtypes.split(",")
     if unknown := [n for n in names if n not in DTYPES]:
@@ -189,6 +251,15 @@ def main() -> None:
         parser.error("--sources, --tokens, --dim, --repeats and --torch-repeats must be at least 1")
     if args.queries < 0:
         parser.error("--queries must be at least 0")
+    if args.processes < 1:
+        parser.error("--processes must be at least 1")
+    if args.processes > 1:
+        results = over_processes(args, names)
+        print_spread(results["spread"], args.processes)
+        if args.json is not None:
+            write_json(args.json, {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                                   **results})
+        return
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if not cpu.available():
