@@ -16,6 +16,8 @@ results as they come):
 - memory: peak memory (`torch.cuda.max_memory_allocated` above the parameters) and bytes autograd saves for one
   forward + backward, standard / Block (two-phase auto, forced off, forced on) / Full, d=2048, 8 layers, T=4096, bf16.
 - timing: Block/standard and Full/standard time of a training step, a prefill and a decode step at that size.
+  In both, every model's plain RMSNorms are the fastest plain norm (`attnres.bench.models.fast_norms`), the standard
+  baseline's included, as AttnRes fuses its PreNorms.
 - op_hbm: the operator at T=16K, d=7168, R=9, bf16: fraction of HBM peak, beside flash-linear-attention's
   `fused_attnres` (benchmarks/gpu_bench.py), then its other shapes while time is left.
 
@@ -199,9 +201,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build(kind: str, model: Model, device: torch.device, dtype: torch.dtype, two_phase: bool | None = None):
+def build(kind: str, model: Model, device: torch.device, dtype: torch.dtype, two_phase: bool | None = None,
+          fast_norms: bool = False):
     """A model of `kind` built on `device` with seed 0, pseudo-queries and key gains away from their init (a zero query
-    hides a wrong key gain and a wrong grouping)."""
+    hides a wrong key gain and a wrong grouping); with `fast_norms` every plain RMSNorm the fastest plain norm
+    (`attnres.bench.models.fast_norms`: the fair baseline of the memory and timing stages)."""
     torch.manual_seed(0)
     config = AttnResConfig(**model.fields(), residual=kind, attn_res_block_size=model.block_size,
                            attn_res_two_phase=two_phase)
@@ -213,6 +217,10 @@ def build(kind: str, model: Model, device: torch.device, dtype: torch.dtype, two
                 p.normal_(0.0, 0.5)
             elif name.endswith("_res_norm.weight"):
                 p.normal_(1.0, 0.3)
+    if fast_norms:
+        from attnres.bench.models import fast_norms as use_fast_norms
+
+        use_fast_norms(lm)
     return lm.to(dtype)
 
 
@@ -430,7 +438,7 @@ def stage_memory(rec: Recorder, sizes: Sizes, device: torch.device, counts: Kern
     ids = torch.randint(0, size.vocab, (1, sizes.big_tokens), generator=torch.Generator().manual_seed(0)).to(device)
     for name, kind, two_phase in MEMORY_KINDS:
         try:
-            model = build(kind, size, device, torch.bfloat16, two_phase).train()
+            model = build(kind, size, device, torch.bfloat16, two_phase, fast_norms=True).train()
             with backend("auto"):
                 saved = saved_tensors(model, ids, size.vocab)["saved_bytes"]
                 model.zero_grad(set_to_none=True)
@@ -465,7 +473,7 @@ def stage_timing(rec: Recorder, sizes: Sizes, device: torch.device, counts: Kern
     from attnres.bench.timing import median_times
 
     size, gen = sizes.big, torch.Generator().manual_seed(0)
-    models = {kind: build(kind, size, device, torch.bfloat16) for kind in ("standard", "block", "full")}
+    models = {kind: build(kind, size, device, torch.bfloat16, fast_norms=True) for kind in ("standard", "block", "full")}
     ids = torch.randint(0, size.vocab, (1, sizes.big_tokens), generator=gen).to(device)
     context = torch.randint(0, size.vocab, (1, sizes.context), generator=gen).to(device)
     token = torch.randint(0, size.vocab, (1, 1), generator=gen).to(device)
