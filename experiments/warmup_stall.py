@@ -22,12 +22,12 @@ import sys
 import time
 from pathlib import Path
 
+from study import LEARNED, steps_to
+
 from attnres.training import TrainConfig, train
 from attnres.training.checkpoint import atomic_write_text
 from attnres.training.logs import read_log
 
-# a validation loss well below the plateau (about 3.0-3.1 nats/byte) where short warm-ups stall: "has started to learn"
-LEARNED = 2.5
 # the band of validation loss (nats/byte) where the runs slow down after the first fast drop
 PLATEAU = (3.2, 2.9)
 
@@ -43,11 +43,6 @@ def config_for(args, residual: str, warmup: int, lr: float, seed: int) -> TrainC
         checkpoint_interval=args.steps, residual=residual, threads=args.threads, progress=False, overwrite=True,
         out=str(Path(args.runs) / run_name(residual, warmup, lr, seed)),
     )
-
-
-def steps_to(curve: list[tuple[int, float]], level: float) -> int | None:
-    """The first evaluated step whose validation loss is below `level` (None: never)."""
-    return next((s for s, v in curve if v < level), None)
 
 
 def plateau_steps(curve: list[tuple[int, float]]) -> int | None:
