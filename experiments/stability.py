@@ -3,8 +3,9 @@
 `attnres compare`'s model (6 layers, d=96, Block size 2) and data, 200 steps of 16 x 128 bytes, AdamW with a cosine
 decay to a tenth, the AttnRes parameters at `attnres train`'s 0.1x learning rate, seed 0. Peak lr 1e-3 to 1e-2, a
 short warm-up (20 steps, a tenth of the run: the old default) and a long one (100 steps, half of it). A run whose
-loss or gradient norm becomes NaN or inf is recorded as diverged at that step; one that never gets below 2.5
-nats/byte (the plateau near 3.0-3.1 is where short warm-ups stall: docs/warmup_stall.md) as stalled.
+loss or gradient norm becomes NaN or inf is recorded as diverged at that step; one that never gets below 2.9
+nats/byte as stuck. The steps a run spends on the plateau between 3.2 and 2.9 nats/byte (where short warm-ups stall
+PreNorm: docs/warmup_stall.md) measure a stall.
 
     python experiments/stability.py                       # 4 lrs x 2 warm-ups x 3 residuals, about 40 minutes
     python experiments/stability.py --lrs 3e-3 --warmups 20   # a smaller grid
@@ -18,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from study import COMMON, LEARNED, Ledger, progress, steps_to, timed_run
+from study import COMMON, PLATEAU, Ledger, plateau_steps, progress, steps_to, timed_run
 
 from attnres.training import TrainConfig, TrainingDiverged
 
@@ -39,25 +40,31 @@ def config_for(args, residual: str, lr: float, warmup: int, seed: int) -> TrainC
 
 def run_one(config: TrainConfig) -> dict:
     try:
-        record = timed_run(config)
+        return timed_run(config)
     except TrainingDiverged as e:
-        return {"outcome": "diverged", "diverged_at": e.step, "val_loss": None}
-    learned = steps_to(record["val_curve"], LEARNED)
-    return {"outcome": "stalled" if learned is None else "trained", "steps_to_learned": learned, **record}
+        return {"diverged_at": e.step, "val_loss": None}
+
+
+def outcome(record: dict) -> str:
+    """'diverged' (NaN or inf), 'stuck' (never below the plateau's lower edge), or 'trained'."""
+    if record.get("diverged_at") is not None:
+        return "diverged"
+    return "stuck" if steps_to(record["val_curve"], PLATEAU[1]) is None else "trained"
 
 
 def summarise(runs: dict) -> list[dict]:
-    """Per (warm-up, lr): each residual's outcome and final validation loss."""
+    """Per (warm-up, lr): each residual's outcome, final validation loss and steps spent on the plateau."""
     rows = {}
     for r in runs.values():
         row = rows.setdefault((r["warmup"], r["lr"]), {"warmup": r["warmup"], "lr": r["lr"]})
-        row[r["residual"]] = {k: r.get(k) for k in ("outcome", "val_loss", "steps_to_learned", "diverged_at")}
+        row[r["residual"]] = {"outcome": outcome(r), "val_loss": r["val_loss"], "diverged_at": r.get("diverged_at"),
+                              "plateau_steps": plateau_steps(r["val_curve"]) if "val_curve" in r else None}
     return [rows[k] for k in sorted(rows)]
 
 
 def draw(runs: dict, path: Path) -> Path:
     """One panel per warm-up: final validation loss against peak lr, one line per residual; a diverged run is an x at
-    the top of the panel, a stalled one a hollow marker."""
+    the top of the panel, a stuck one a hollow marker."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,25 +72,25 @@ def draw(runs: dict, path: Path) -> Path:
 
     warmups = sorted({r["warmup"] for r in runs.values()})
     fig, axes = plt.subplots(1, len(warmups), figsize=(4.6 * len(warmups), 3.9), sharey=True, squeeze=False)
-    finite = [r["val_loss"] for r in runs.values() if r["outcome"] != "diverged"]
+    finite = [r["val_loss"] for r in runs.values() if outcome(r) != "diverged"]
     top = max(finite) + 0.1 if finite else 4.0
     for ax, warmup in zip(axes[0], warmups):
         for i, residual in enumerate(RESIDUALS):
             mine = sorted((r for r in runs.values() if r["warmup"] == warmup and r["residual"] == residual),
                           key=lambda r: r["lr"])
-            ok = [r for r in mine if r["outcome"] != "diverged"]
+            ok = [r for r in mine if outcome(r) != "diverged"]
             ax.plot([r["lr"] for r in ok], [r["val_loss"] for r in ok], "-", color=f"C{i}", label=residual)
             for r in ok:
-                ax.plot(r["lr"], r["val_loss"], "o", color=f"C{i}", mfc="none" if r["outcome"] == "stalled" else f"C{i}")
+                ax.plot(r["lr"], r["val_loss"], "o", color=f"C{i}", mfc="none" if outcome(r) == "stuck" else f"C{i}")
             for r in mine:
-                if r["outcome"] == "diverged":
+                if outcome(r) == "diverged":
                     ax.plot(r["lr"], top, "x", color=f"C{i}", ms=9, mew=2)
         ax.set_xscale("log")
         ax.set_xlabel("peak learning rate")
         ax.set_title(f"warm-up {warmup} steps", fontsize=10)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("final validation loss (nats per byte)")
-    axes[0][0].legend(fontsize=8, title="x: diverged, hollow: stalled", title_fontsize=7)
+    axes[0][0].legend(fontsize=8, title=f"x: diverged, hollow: never below {PLATEAU[1]}", title_fontsize=7)
     fig.suptitle("Stability: 6 layers, d=96, 200 steps (docs/stability.json)", fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.png")
@@ -108,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = {k: v for k, v in config_for(args, "standard", args.lrs[0], args.warmups[0], 0).to_dict().items()
              if k in ("layers", "dim", "block_size", "steps", "schedule", "min_lr_ratio", "weight_decay",
                       "attn_res_lr_mult", "seq_len", "batch_size", "max_bytes", "eval_batches", "threads")}
-    ledger = Ledger(args.json, "final validation loss (nats/byte) and outcome (trained, stalled above "
-                    f"{LEARNED}, diverged) by peak lr, warm-up and residual", {**setup, "learned_threshold": LEARNED},
+    ledger = Ledger(args.json, "final validation loss (nats/byte) and curve by peak lr, warm-up and residual",
+                    {**setup, "plateau_band": PLATEAU},
                     "experiments/stability.py", argv, summarise)
     for seed in args.seeds:
         for warmup in args.warmups:
@@ -120,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     record = run_one(config_for(args, residual, lr, warmup, seed))
                     ledger.add(name, {"residual": residual, "lr": lr, "warmup": warmup, "seed": seed, **record})
-                    if record["outcome"] == "diverged":
+                    if outcome(record) == "diverged":
                         print(f"{name}: diverged at step {record['diverged_at']}", flush=True)
                     else:
                         progress(name, record)

@@ -6,6 +6,7 @@ it measured and a rerun of the same command skips the runs already in it.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import shlex
@@ -26,6 +27,8 @@ COMMON = dict(data="stdlib", max_bytes=4 * 2**20, seq_len=128, batch_size=16, lr
 
 # a validation loss well below the plateau (about 3.0-3.1 nats/byte) where short warm-ups stall: "has started to learn"
 LEARNED = 2.5
+# the band of validation loss (nats/byte) where the runs slow down after the first fast drop
+PLATEAU = (3.2, 2.9)
 
 # t quantiles t_{0.975, df} for two-sided 95% intervals of a mean over df + 1 seeds (df 1..10)
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
@@ -51,9 +54,16 @@ class Ledger:
         self.save()
 
     def save(self) -> None:
-        data = {**self.head, "runs": self.runs, "summary": self.summarise(self.runs)}
+        """Write the ledger, merged with runs other processes of the same study added to the file meanwhile (under
+        a lock, so parts of one study, e.g. one model size each, can run side by side)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.path, json.dumps(data, indent=1) + "\n")
+        with open(self.path.with_name(self.path.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.path.is_file():
+                saved = json.loads(self.path.read_text(encoding="utf-8")).get("runs", {})
+                self.runs = {**saved, **self.runs}
+            data = {**self.head, "runs": self.runs, "summary": self.summarise(self.runs)}
+            atomic_write_text(self.path, json.dumps(data, indent=1) + "\n")
 
 
 def timed_run(config: TrainConfig) -> dict:
@@ -81,6 +91,13 @@ def timed_run(config: TrainConfig) -> dict:
 def steps_to(curve: list[tuple[int, float]], level: float) -> int | None:
     """The first evaluated step whose validation loss is below `level` (None: never)."""
     return next((s for s, v in curve if v < level), None)
+
+
+def plateau_steps(curve: list[tuple[int, float]]) -> int | None:
+    """Steps from the first evaluation below `PLATEAU[0]` to the first below `PLATEAU[1]`: how long the run sat
+    on the plateau (to the resolution of the evaluation interval; None: never left it)."""
+    into, out = steps_to(curve, PLATEAU[0]), steps_to(curve, PLATEAU[1])
+    return None if into is None or out is None else out - into
 
 
 def gap_stats(gaps: list[float]) -> dict:
