@@ -140,6 +140,9 @@ def dtype_cases(dtype: torch.dtype, args: argparse.Namespace) -> tuple[dict[str,
              stats_bwd_bytes, args.torch_repeats),
         ):
             cases[name] = Case(fn, nbytes, rounds)
+    if not args.torch_repeats:  # the torch path left out
+        cases = {name: case for name, case in cases.items() if case.rounds}
+        forwards = {name: fn for name, fn in forwards.items() if name in cases}
     return cases, forwards
 
 
@@ -152,11 +155,12 @@ def summarise(cases: dict[str, Case], forwards: dict[str, Callable], copy: Case,
         rows[name] = {"ms": seconds * 1e3, "GB/s": gbps / 1e9, "of_copy": gbps / bandwidth,
                       "faults_per_call": statistics.median(case.faults)}
     for name in ("fast fwd", "torch fwd"):
-        rows[name]["vs_sum"] = rows[name]["ms"] / rows["torch.sum"]["ms"]
+        if name in rows:
+            rows[name]["vs_sum"] = rows[name]["ms"] / rows["torch.sum"]["ms"]
     for name in forwards:
         rows[name]["peak_extra_MiB"] = peak_extra_bytes(forwards[name]) / 2**20
     for name in ("fast fwd", "fast fwd+bwd", "fast stats fwd", "fast stats bwd"):
-        if name in rows:
+        if name in rows and name.replace("fast", "torch") in rows:
             rows[name]["vs_torch"] = rows[name]["ms"] / rows[name.replace("fast", "torch")]["ms"]
     if "fast stats fwd" in rows:
         rows["fast stats fwd"]["vs_one_shot"] = rows["fast stats fwd"]["ms"] / (queries * rows["fast fwd"]["ms"])
@@ -238,7 +242,8 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=8, help="S, queries of the phase-1 cases; 0 skips them (default 8)")
     parser.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, from {','.join(DTYPES)}")
     parser.add_argument("--repeats", type=int, default=11, help="rounds; the median is reported (default 11)")
-    parser.add_argument("--torch-repeats", type=int, default=3, help="rounds of the slow torch path (default 3)")
+    parser.add_argument("--torch-repeats", type=int, default=3,
+                        help="rounds of the slow torch path; 0 leaves it out (default 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--processes", type=int, default=1,
@@ -247,8 +252,8 @@ def main() -> None:
     names = args.dtypes.split(",")
     if unknown := [n for n in names if n not in DTYPES]:
         parser.error(f"--dtypes: unknown {unknown}, expected names from {list(DTYPES)}")
-    if min(args.sources, args.tokens, args.dim, args.repeats, args.torch_repeats) < 1:
-        parser.error("--sources, --tokens, --dim, --repeats and --torch-repeats must be at least 1")
+    if min(args.sources, args.tokens, args.dim, args.repeats) < 1 or args.torch_repeats < 0:
+        parser.error("--sources, --tokens, --dim and --repeats must be at least 1, --torch-repeats at least 0")
     if args.queries < 0:
         parser.error("--queries must be at least 0")
     if args.processes < 1:
