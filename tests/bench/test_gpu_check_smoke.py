@@ -86,7 +86,7 @@ def test_verdict_fails_a_wrong_gradient_and_a_silent_fallback():
     ok = check.parity_verdict(truth, near, near, {}, {"fwd": 3, "bwd": 3}, ("fwd", "bwd"), 1e-5)
     assert ok["passed"]
     wrong = check.parity_verdict(truth, near, run(1.01), {}, {"fwd": 3, "bwd": 3}, ("fwd", "bwd"), 1e-5)
-    assert not wrong["passed"] and wrong["kernels_vs_fp64"]["grad"] == pytest.approx(0.01)
+    assert not wrong["passed"] and wrong["kernels_vs_fp64"]["grad"] == pytest.approx(0.01, rel=1e-3)
     fallback = check.parity_verdict(truth, near, near, {}, {"fwd": 3}, ("fwd", "bwd"), 1e-5)
     assert not fallback["passed"] and not fallback["routed"]
     torch_ran_kernels = check.parity_verdict(truth, near, near, {"fwd": 1}, {"fwd": 3, "bwd": 3}, ("fwd", "bwd"), 1e-5)
