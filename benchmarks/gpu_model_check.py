@@ -28,8 +28,9 @@ All results go into one JSON (`--json`) and a short table is printed at the end,
 
 --smoke routes CPU tensors to the Triton kernels (under the interpreter), so the parity checks compare the same
 kernels for real; timings only show that the code runs; the CUDA graph variant runs its static-buffer loop uncaptured;
-`torch.compile` uses the eager backend (dynamo's tracing of the model and of this loop; inductor compiles C++ for
-about half a minute per graph on CPU, and tests/models/test_compile.py holds the fake kernels to aot_eager); peak memory
+`torch.compile` uses the eager backend on the decode step only (dynamo's tracing of the model in this loop; inductor
+compiles C++ for about half a minute per graph on CPU, and tests/models/test_compile.py holds the fake kernels to
+aot_eager); peak memory
 is left out (no CUDA allocator), saved bytes are measured; op_hbm runs gpu_bench.py's first smoke shapes only.
 """
 
@@ -88,6 +89,7 @@ class Sizes:
     new_tokens: int
     decode_two_phase: bool | None  # None: the model's own choice
     compile_backend: str
+    compile_prefill: bool  # the prefill compiled too (else eager, and only the decode step compiled)
     big: Model  # memory and timing
     big_tokens: int
     context: int  # cached tokens before a timed decode step
@@ -101,11 +103,13 @@ GPU_SIZES = Sizes(
     # two-phase forced on, so that prefill and decode both run phase 1 and the fused merge (4 layers: inductor's compile
     # time grows with the graph)
     decode=Model(512, 4, 8, 256, 2), prompt=320, new_tokens=24, decode_two_phase=True, compile_backend="inductor",
+    compile_prefill=True,
     big=Model(2048, 8, 16, 32000, 2), big_tokens=4096, context=1024, repeats=10, decode_repeats=50, warmup=3,
 )
 SMOKE_SIZES = Sizes(
     parity=Model(32, 2, 4, 64, 1), parity_tokens=8, parity_batch=2,
     decode=Model(32, 2, 4, 64, 1), prompt=6, new_tokens=3, decode_two_phase=True, compile_backend="eager",
+    compile_prefill=False,
     big=Model(32, 2, 4, 64, 1), big_tokens=16, context=8, repeats=1, decode_repeats=1, warmup=0,
 )
 
@@ -334,17 +338,19 @@ def greedy_dynamic(call, prompt: torch.Tensor, steps: int, device: torch.device)
     return {"logits": torch.cat(logits), "seconds": times}
 
 
-def greedy_static(call, model, prompt: torch.Tensor, steps: int, device: torch.device, graph: bool) -> dict:
-    """Prefill, then `steps` greedy tokens with a StaticCache and static input buffers; with `graph` (CUDA only) the
-    decode step is captured once in a CUDA graph and replayed, the token and position copied into its buffers."""
+def greedy_static(call, model, prompt: torch.Tensor, steps: int, device: torch.device, graph: bool,
+                  prefill_call=None) -> dict:
+    """Prefill (by `prefill_call`, default `call`), then `steps` greedy tokens by `call` with a StaticCache and static
+    input buffers; with `graph` (CUDA only) the decode step is captured once in a CUDA graph and replayed, the token
+    and position copied into its buffers."""
     from transformers import StaticCache
 
     length = prompt.shape[1]
     cache = StaticCache(config=model.config, max_cache_len=length + steps + 1)
     logits, times = [], []
     with torch.no_grad():
-        out = call(prompt, cache=cache, cache_position=torch.arange(length, device=device), use_cache=True,
-                   logits_to_keep=1)
+        out = (prefill_call or call)(prompt, cache=cache, cache_position=torch.arange(length, device=device),
+                                     use_cache=True, logits_to_keep=1)
         first = out.logits[:, -1].float()
         token = first.argmax(-1, keepdim=True).clone()
         position = torch.tensor([length], device=device)
@@ -400,7 +406,8 @@ def stage_decode(rec: Recorder, sizes: Sizes, device: torch.device, counts: Kern
         "triton cuda graph" if device.type == "cuda" else "triton static buffers (smoke: not captured)":
             lambda: greedy_static(model, model, prompt, steps, device, graph=device.type == "cuda"),
         f"triton torch.compile ({sizes.compile_backend})":
-            lambda: greedy_static(compiled, model, prompt, steps, device, graph=False),
+            lambda: greedy_static(compiled, model, prompt, steps, device, graph=False,
+                                  prefill_call=compiled if sizes.compile_prefill else model),
     }
     for name, run in variants.items():
         try:
