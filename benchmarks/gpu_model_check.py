@@ -571,13 +571,25 @@ def run_op_tests(seconds: float) -> dict:
             "result": {"returncode": proc.returncode, "summary": lines[-1] if lines else "", "tail": proc.stdout[-3000:]}}
 
 
+def process_context(smoke: bool):
+    """How stage processes start. On a GPU machine from a fork server: a process that imported torch, transformers and
+    attnres but never touched CUDA, so no child inherits a CUDA state (CUDA does not survive a fork, and a library's
+    `torch.cuda.is_available()` at import initialises the driver). In --smoke, forks of this process: no CUDA, and no
+    second interpreter to start."""
+    if smoke:
+        return multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "transformers", "attnres.models", "attnres.bench.models"])
+    return context
+
+
 def run_stage(stage: str, seconds: float, smoke: bool, workdir: Path) -> dict:
     if stage == "op_tests":
         if smoke:
             return {"status": "skipped", "result": {"why": "the CPU suite runs these kernel tests interpreted"}}
         return run_op_tests(seconds)
     path = workdir / f"{stage}.json"
-    proc = multiprocessing.get_context("fork").Process(target=child, args=(stage, path, smoke, seconds))
+    proc = process_context(smoke).Process(target=child, args=(stage, path, smoke, seconds))
     proc.start()
     proc.join(seconds)
     timed_out = proc.is_alive()
