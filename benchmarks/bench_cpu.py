@@ -229,7 +229,9 @@ def print_spread(spread: dict, processes: int) -> None:
     print(f"{'dtype':<6}{'case':<17}{'ms':>26}{'vs sum':>22}")
     for name, cases in spread.items():
         for case, r in cases.items():
-            ratio = f"{r['vs_sum_median']:.2f} [{r['vs_sum_min']:.2f}, {r['vs_sum_max']:.2f}]" if "vs_sum_median" in r else ""
+            ratio = ""
+            if "vs_sum_median" in r:
+                ratio = f"{r['vs_sum_median']:.2f} [{r['vs_sum_min']:.2f}, {r['vs_sum_max']:.2f}]"
             ms = f"{r['ms_median']:.1f} [{r['ms_min']:.1f}, {r['ms_max']:.1f}]"
             print(f"{name:<6}{case:<17}{ms:>26}{ratio:>22}")
 

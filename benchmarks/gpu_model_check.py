@@ -42,9 +42,11 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import importlib
 import json
 import multiprocessing
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -291,7 +293,8 @@ def parity_verdict(truth: tuple, torch_run: tuple, kernel_run: tuple, torch_call
     routed = all(kernel_calls.get(op, 0) > 0 for op in expected) and not torch_calls
     passed = routed and all(e_kernels[k] <= 2 * e_torch[k] + floor for k in ("loss", "grad"))
     return {"passed": passed, "routed": routed, "kernels_vs_fp64": e_kernels, "torch_vs_fp64": e_torch,
-            "kernels_vs_torch": errors_against(torch_run, kernel_run, truth), "floor": floor, "kernel_calls": kernel_calls,
+            "kernels_vs_torch": errors_against(torch_run, kernel_run, truth), "floor": floor,
+            "kernel_calls": kernel_calls,
             "expected_kernels": expected, "gradients": len(truth[1])}
 
 
@@ -371,9 +374,11 @@ def greedy_static(call, model, prompt: torch.Tensor, steps: int, device: torch.d
             with torch.cuda.graph(captured):
                 static_logits = step()
 
-            def replay() -> torch.Tensor:
+            def graphed() -> torch.Tensor:
                 captured.replay()
                 return static_logits
+
+            replay = graphed
 
         logits.append(first)
         for i in range(steps):
@@ -399,7 +404,7 @@ def stage_decode(rec: Recorder, sizes: Sizes, device: torch.device, counts: Kern
         ref = greedy_dynamic(model, prompt, steps, device)
     counts.take()
     ref_tokens = ref["logits"].argmax(-1)
-    rec.set("reference", {"tokens": ref_tokens.tolist(), "ms_per_token": 1e3 * median(ref["seconds"])})
+    rec.set("reference", {"tokens": ref_tokens.tolist(), "ms_per_token": 1e3 * statistics.median(ref["seconds"])})
     compiled = torch.compile(model, backend=sizes.compile_backend)
     variants = {
         "triton eager": lambda: greedy_dynamic(model, prompt, steps, device),
@@ -420,16 +425,13 @@ def stage_decode(rec: Recorder, sizes: Sizes, device: torch.device, counts: Kern
             same = torch.equal(tokens, ref_tokens)
             routed = calls.get("bank_aggregate", 0) > 0
             passed = same and err <= 1e-4 and routed
+            ms = 1e3 * statistics.median(got["seconds"])
             rec.set(name, {"passed": passed, "tokens_equal": same, "logits_rel_err": err, "kernel_calls": calls,
-                           "ms_per_token": 1e3 * median(got["seconds"]), "seconds": time.perf_counter() - started})
-            print(f"  {name}: tokens {'equal' if same else 'DIFFER'}, logits {err:.2e}, "
-                  f"{1e3 * median(got['seconds']):.2f} ms/token; {'PASS' if passed else 'FAIL'}", flush=True)
+                           "ms_per_token": ms, "seconds": time.perf_counter() - started})
+            print(f"  {name}: tokens {'equal' if same else 'DIFFER'}, logits {err:.2e}, {ms:.2f} ms/token; "
+                  f"{'PASS' if passed else 'FAIL'}", flush=True)
         except Exception as exc:  # noqa: BLE001
             rec.error(name, exc)
-
-
-def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 MEMORY_KINDS = [("standard", "standard", None), ("block", "block", None), ("block one-shot", "block", False),
@@ -480,7 +482,8 @@ def stage_timing(rec: Recorder, sizes: Sizes, device: torch.device, counts: Kern
     from attnres.bench.timing import median_times
 
     size, gen = sizes.big, torch.Generator().manual_seed(0)
-    models = {kind: build(kind, size, device, torch.bfloat16, fast_norms=True) for kind in ("standard", "block", "full")}
+    kinds = ("standard", "block", "full")
+    models = {kind: build(kind, size, device, torch.bfloat16, fast_norms=True) for kind in kinds}
     ids = torch.randint(0, size.vocab, (1, sizes.big_tokens), generator=gen).to(device)
     context = torch.randint(0, size.vocab, (1, sizes.context), generator=gen).to(device)
     token = torch.randint(0, size.vocab, (1, 1), generator=gen).to(device)
@@ -510,8 +513,7 @@ def stage_op_hbm(rec: Recorder, sizes: Sizes, device: torch.device, smoke: bool,
     args = gpu_bench.parse_args(["--smoke"] if smoke else [])
     budget = gpu_bench.Budget(seconds)
     try:
-        import fla.ops.attnres  # noqa: F401
-
+        importlib.import_module("fla.ops.attnres")
         have_fla = True
     except ImportError:
         have_fla = False
@@ -568,7 +570,8 @@ def run_op_tests(seconds: float) -> dict:
     lines = proc.stdout.strip().splitlines()
     print("\n".join(lines[-15:]), flush=True)
     return {"status": "ok" if proc.returncode == 0 else "failed",
-            "result": {"returncode": proc.returncode, "summary": lines[-1] if lines else "", "tail": proc.stdout[-3000:]}}
+            "result": {"returncode": proc.returncode, "summary": lines[-1] if lines else "",
+                       "tail": proc.stdout[-3000:]}}
 
 
 def process_context(smoke: bool):
@@ -624,7 +627,8 @@ def targets(stages: dict) -> list[dict]:
     by = {(r["impl"], r["direction"]): r for r in k3}
     if ("attnres triton", "fwd") in by:
         value = by[("attnres triton", "fwd")]["of_peak"]
-        out.append({"target": "op fwd of HBM peak >= 0.85", "value": value, "met": value >= TARGETS["op fwd of HBM peak"]})
+        met = value >= TARGETS["op fwd of HBM peak"]
+        out.append({"target": "op fwd of HBM peak >= 0.85", "value": value, "met": met})
     peer = next((impl for impl, _ in by if impl.startswith("fla")), None)
     if peer and ("attnres triton", "bwd") in by:
         ours = by[("attnres triton", "fwd")]["ms"] + by[("attnres triton", "bwd")]["ms"]
