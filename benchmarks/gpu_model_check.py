@@ -144,19 +144,23 @@ class Recorder:
     """A stage's results, rewritten to its JSON file at every `set` so a killed stage keeps what it measured."""
 
     def __init__(self, path: Path):
-        self.path, self.data, self.errors = path, {}, {}
+        self.path, self.data, self.errors, self.tracebacks = path, {}, {}, {}
 
     def set(self, key: str, value) -> None:
         self.data[key] = value
         self._flush()
 
     def error(self, key: str, exc: BaseException) -> None:
+        """Record a failure: its message in `errors`, its traceback in `tracebacks` (the JSON may be all that comes back
+        from a GPU machine)."""
         self.errors[key] = f"{type(exc).__name__}: {exc}"
-        print(f"  {key}: FAILED {self.errors[key]}\n{traceback.format_exc(limit=8)}", flush=True)
+        self.tracebacks[key] = traceback.format_exc(limit=12)[-4000:]
+        print(f"  {key}: FAILED {self.errors[key]}\n{self.tracebacks[key]}", flush=True)
         self._flush()
 
     def _flush(self) -> None:
-        atomic_write_text(self.path, json.dumps({"result": self.data, "errors": self.errors}, indent=1, default=str))
+        payload = {"result": self.data, "errors": self.errors, "tracebacks": self.tracebacks}
+        atomic_write_text(self.path, json.dumps(payload, indent=1, default=str))
 
 
 class KernelCounts:

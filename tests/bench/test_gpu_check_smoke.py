@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,29 @@ def test_verdict_fails_a_wrong_gradient_and_a_silent_fallback():
     leaky = run()
     leaky[1]["zero"] = torch.full((2,), 0.5)
     assert not check.parity_verdict(truth, near, leaky, {}, {"fwd": 1, "bwd": 1}, ("fwd", "bwd"), 1e-5)["passed"]
+
+
+def test_a_stage_that_hangs_or_fails_loses_only_itself(tmp_path, monkeypatch):
+    def hang(stage, path, smoke, seconds):
+        rec = check.Recorder(path)
+        rec.set("measured", 1.0)  # what a stage measured before it hung stays
+        time.sleep(60)
+
+    monkeypatch.setattr(check, "child", hang)
+    started = time.monotonic()
+    got = check.run_stage("memory", 2.0, True, tmp_path)
+    assert got["status"] == "timeout" and got["result"] == {"measured": 1.0}
+    assert time.monotonic() - started < 30
+
+    def fail(stage, path, smoke, seconds):
+        rec = check.Recorder(path)
+        try:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        except RuntimeError as exc:
+            rec.error("stage", exc)
+        os._exit(1)
+
+    monkeypatch.setattr(check, "child", fail)
+    got = check.run_stage("timing", 30.0, True, tmp_path)
+    assert got["status"] == "failed" and "illegal memory access" in got["errors"]["stage"]
+    assert "RuntimeError" in got["tracebacks"]["stage"]
