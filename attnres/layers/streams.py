@@ -247,7 +247,7 @@ class BlockStream(ResidualStream):
         phase1 = select_backend(row, stats_rows=max(rows, points))
         if not one_shot.two_phase_can_pay or phase1.name == TORCH.name != one_shot.name:
             return False
-        return two_phase_pays(rows, points, row.element_size())
+        return two_phase_pays(rows, points, row.element_size(), training=torch.is_grad_enabled() and row.requires_grad)
 
     def _score_block(self) -> SoftmaxStats:
         """Phase 1: every point of the block against the completed rows, each row read once."""
@@ -269,19 +269,48 @@ class BlockStream(ResidualStream):
             out_norm_weight=None if norm is None else norm.weight,
             out_eps=point.eps if norm is None else self._out_eps(norm, num_sources),
             dtype=self.bank[0].dtype,
+            sources=self.bank,  # the backward recomputes u from the rows: no [N, d] fp32 kept per point
         )
         return out if norm is not None else self._finish_unfused(out, num_sources)
 
 
-def two_phase_pays(rows: int, points: int, elem_size: int) -> bool:
-    """Whether phase 1 + phase 2 moves fewer bytes than one-shot reads, per token and channel.
+def two_phase_pays(rows: int, points: int, elem_size: int, training: bool = False) -> bool:
+    """Whether phase 1 + phase 2 over `rows` shared rows and `points` points moves fewer bytes than one-shot reads,
+    and holds no more for the backward. A model of what the kernels read and write, per token (and channel for moved
+    bytes, `elem_size` the rows' bytes per element; statistics are fp32); what both paths do alike is left out.
 
-    One-shot: each of the `points` reads the `rows` shared rows and its prefix. Two-phase: the rows are read once,
-    then each point writes and reads back its fp32 statistics u and reads its prefix.
+    Moved, forward: one-shot reads at each point the rows and its prefix, P (R + 1) e; two-phase reads the rows once,
+    then each point writes and reads back its statistics u and reads its prefix, R e + P (8 + e).
+    Moved, backward (`training`): one-shot reads each point's sources twice more and writes their gradients,
+    3 P (R + 1) e; two-phase recomputes each point's u from the rows and writes it (R e + 4), its phase 2 reads u and
+    the prefix and writes du and dx (8 + 2 e), and phase 1 reads the du (4 P), the rows twice and writes their
+    gradients (3 R e).
+    Held (`held_bytes_per_token`): what autograd keeps beyond the rows and prefixes (activations either way).
     """
-    one_shot = points * (rows + 1) * elem_size
-    two_phase = rows * elem_size + points * (2 * 4 + elem_size)
+    e, R, P = elem_size, rows, points
+    one_shot = P * (R + 1) * e
+    two_phase = R * e + P * (8 + e)
+    if training:
+        one_shot += 3 * P * (R + 1) * e
+        two_phase += P * (R * e + 4 + 8 + 2 * e + 4) + 3 * R * e
+        held_ok = held_bytes_per_token(R, P, True) <= held_bytes_per_token(R, P, False) + HELD_SLACK_PER_POINT * P
+        if not held_ok:
+            return False
     return two_phase < one_shot
+
+
+# The bound two-phase keeps against one-shot, per token and point: two fp32 numbers (a test measures it)
+HELD_SLACK_PER_POINT = 8
+
+
+def held_bytes_per_token(rows: int, points: int, two_phase: bool) -> int:
+    """Bytes per token that the aggregation keeps for the backward of a block's `points` points over `rows` shared
+    rows (one more source, the prefix, at each point), beyond the sources themselves, which the residual path holds
+    anyway: one-shot, the weights and key rstd of every source at every point (fp32); two-phase, phase 1's shift m,
+    sum z and the rows' key rstd; phase 2 keeps no u (`merge_prefix(sources=...)` recomputes it)."""
+    if two_phase:
+        return 4 * (2 * points + rows)
+    return 8 * points * (rows + 1)
 
 
 def _check_points(points: Sequence[DepthAttention] | None, num_layers: int) -> None:

@@ -179,11 +179,16 @@ def _flat_op_args(prefix: bool, out_norm: bool, dtype: torch.dtype = torch.float
 
 @pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "noprefix"])
 @pytest.mark.parametrize("out_norm", [True, False], ids=["onorm", "plain"])
-def test_opcheck(prefix, out_norm):
-    """Schema, fake (meta) and autograd registrations of both custom ops, as torch.compile needs them."""
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep_u", "recompute_u"])
+def test_opcheck(prefix, out_norm, recompute):
+    """Schema, fake (meta) and autograd registrations of both custom ops, as torch.compile needs them; with rows the
+    backward recomputes u from them (phase 1 with one query)."""
     args = _flat_op_args(prefix, out_norm, torch.bfloat16)
     with_grad = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) and i else t for i, t in enumerate(args)]
-    torch.library.opcheck(merge_prefix_fwd, (*with_grad, torch.bfloat16))
+    if recompute and not prefix:  # c stands for the query phase 1 scored the rows with
+        with_grad[4] = torch.randn(6, requires_grad=True)
+    rows = [torch.randn(6, 6, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)] if recompute else []
+    torch.library.opcheck(merge_prefix_fwd, (*with_grad, torch.bfloat16, rows))
     grad = torch.randn(args[2].shape).to(torch.bfloat16)
     torch.library.opcheck(torch.ops.attnres.merge_prefix_bwd.default, (grad, *args))
 
