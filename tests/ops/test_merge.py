@@ -313,6 +313,26 @@ def test_kernels_match_the_torch_path(case: Case, nan_filled_empty):
 
 
 @kernel_test
+def test_kernels_read_a_strided_prefix_in_place():
+    """A prefix that is a bank row (token stride 3 d) gives, bit for bit, what its contiguous copy gives."""
+    from attnres.ops.triton import triton_merge_prefix_bwd, triton_merge_prefix_fwd
+
+    torch.manual_seed(3)
+    stats, prefix, w, g, o = make_inputs(Case(16, (6,), dtype=torch.bfloat16), DEVICE)
+    bank = torch.randn(6, 3, 16).to(torch.bfloat16).to(DEVICE)
+    bank[:, 1] = prefix
+    row = bank[:, 1]
+    assert not row.is_contiguous()
+    grad = torch.randn(6, 16).to(torch.bfloat16).to(DEVICE)
+    results = []
+    for x in (row, row.contiguous()):
+        args = (stats.m, stats.z, stats.u, x, w.reshape(-1) * g, o, EPS, OUT_EPS)
+        results.append([triton_merge_prefix_fwd(*args, torch.bfloat16), *triton_merge_prefix_bwd(grad, *args)])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@kernel_test
 def test_kernels_take_no_tokens():
     from attnres.ops.triton import triton_merge_prefix_bwd, triton_merge_prefix_fwd
 
@@ -349,7 +369,7 @@ def test_kernels_compile_for_hopper(fused):
 
     f32, i32 = "*fp32", "i32"
     common = {"m": f32, "z": f32, "u": f32, "prefix": "*bf16", "c": f32, "out_weight": f32, "N": i32,
-              "eps": "fp32", "out_eps": "fp32"}
+              "prefix_stride": i32, "eps": "fp32", "out_eps": "fp32"}
     fwd = {**common, "out": "*bf16"}
     bwd = {**common, "grad_out": "*bf16", "du_out": f32, "dz_out": f32, "dx_out": "*bf16", "dc_part": f32,
            "dow_part": f32, "programs": i32}
