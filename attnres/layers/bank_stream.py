@@ -43,13 +43,21 @@ class BankStream(BlockStream):
         self._phase1_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._phase1_end = -1  # the point after the scored group, where the next group of the block is scored
         # a stream's device and dtype never change: bind the backend's fused ops once, not at every point (at decode
-        # the lookup costs about as much as the fused op itself)
-        backend = select_backend(x)
-        self._aggregate = backend.bank_aggregate or bank_aggregate
-        self._merge = backend.bank_merge or bank_merge
+        # the lookup costs about as much as the fused op itself); traced, the registered custom ops, which dispatch
+        # inside (a traced backend selection would probe, and build, the CPU kernel)
+        if torch.compiler.is_compiling():
+            self._aggregate, self._merge = bank_aggregate_op, bank_merge_op
+        else:
+            backend = select_backend(x)
+            self._aggregate = backend.bank_aggregate or bank_aggregate
+            self._merge = backend.bank_merge or bank_merge
 
-    @torch.no_grad()
     def _read(self, norm):
+        # a with block, not the decorator: dynamo cannot trace the decorator's closure (a bound method)
+        with torch.no_grad():
+            return self._read_no_grad(norm)
+
+    def _read_no_grad(self, norm):
         point = self.points[self.point]
         write = self._is_write_point()
         if self.prefix is None:  # first point after a write: the pending output starts the new prefix
@@ -63,11 +71,9 @@ class BankStream(BlockStream):
         if self._phase1_stats is not None and not write:
             t = self.point - self._phase1_start
             m, z, u = (s[t] for s in self._phase1_stats)
-            merge = bank_merge_op if torch.compiler.is_compiling() else self._merge
-            mix = merge(m, z, u, self.prefix, self.pending, c, out_w, point.eps, out_eps)
+            mix = self._merge(m, z, u, self.prefix, self.pending, c, out_w, point.eps, out_eps)
         else:
-            aggregate = bank_aggregate_op if torch.compiler.is_compiling() else self._aggregate
-            mix = aggregate(self.bank, self.nvb, self.prefix, self.pending, c, out_w, point.eps, out_eps, write)
+            mix = self._aggregate(self.bank, self.nvb, self.prefix, self.pending, c, out_w, point.eps, out_eps, write)
         self.pending = None
         if write:
             self.nvb += 1

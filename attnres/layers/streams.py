@@ -25,7 +25,7 @@ import torch
 
 from attnres.layers.depth_attention import DepthAttention, RMSNorm
 from attnres.ops import depth_stats, merge_prefix
-from attnres.ops.backends import TORCH, select_backend
+from attnres.ops.backends import TORCH, backend_for
 from attnres.ops.two_phase import SoftmaxStats
 
 RESIDUAL_KINDS = ("standard", "full", "block")
@@ -241,11 +241,7 @@ class BlockStream(ResidualStream):
             return False
         if self.two_phase is not None:
             return self.two_phase
-        one_shot = select_backend(row)
-        # one-shot where the backend says two-phase never pays there, or where it has a one-shot kernel but no
-        # phase-1 kernel for these rows (its kernel beats torch ops)
-        phase1 = select_backend(row, stats_rows=max(rows, points))
-        if not one_shot.two_phase_can_pay or phase1.name == TORCH.name != one_shot.name:
+        if not backend_takes_two_phase(row.device.type, row.dtype, row.shape[-1], max(rows, points)):
             return False
         return two_phase_pays(rows, points, row.element_size(), training=torch.is_grad_enabled() and row.requires_grad)
 
@@ -272,6 +268,15 @@ class BlockStream(ResidualStream):
             sources=self.bank,  # the backward recomputes u from the rows: no [N, d] fp32 kept per point
         )
         return out if norm is not None else self._finish_unfused(out, num_sources)
+
+
+@torch.compiler.assume_constant_result  # traced, the first selection would probe (and build) the CPU kernel
+def backend_takes_two_phase(device_type: str, dtype: torch.dtype, d: int, stats_rows: int) -> bool:
+    """False where the backend says two-phase never pays there, or where it has a one-shot kernel but no phase-1
+    kernel for `stats_rows` rows or queries (its kernel beats torch ops)."""
+    one_shot = backend_for(device_type, dtype, d)
+    phase1 = backend_for(device_type, dtype, d, stats_rows)
+    return one_shot.two_phase_can_pay and not phase1.name == TORCH.name != one_shot.name
 
 
 def two_phase_pays(rows: int, points: int, elem_size: int, training: bool = False) -> bool:
