@@ -279,6 +279,10 @@ def backend_takes_two_phase(device_type: str, dtype: torch.dtype, d: int, stats_
     return one_shot.two_phase_can_pay and not phase1.name == TORCH.name != one_shot.name
 
 
+# The bound two-phase keeps against one-shot, per token and point: two fp32 numbers (a test measures it)
+HELD_SLACK_PER_POINT = 8
+
+
 def two_phase_pays(rows: int, points: int, elem_size: int, training: bool = False) -> bool:
     """Whether phase 1 + phase 2 over `rows` shared rows and `points` points moves fewer bytes than one-shot reads,
     and holds no more for the backward. A model of what the kernels read and write, per token (and channel for moved
@@ -298,14 +302,9 @@ def two_phase_pays(rows: int, points: int, elem_size: int, training: bool = Fals
     if training:
         one_shot += 3 * P * (R + 1) * e
         two_phase += P * (R * e + 4 + 8 + 2 * e + 4) + 3 * R * e
-        held_ok = held_bytes_per_token(R, P, True) <= held_bytes_per_token(R, P, False) + HELD_SLACK_PER_POINT * P
-        if not held_ok:
+        if held_bytes_per_token(R, P, True) > held_bytes_per_token(R, P, False) + HELD_SLACK_PER_POINT * P:
             return False
     return two_phase < one_shot
-
-
-# The bound two-phase keeps against one-shot, per token and point: two fp32 numbers (a test measures it)
-HELD_SLACK_PER_POINT = 8
 
 
 def held_bytes_per_token(rows: int, points: int, two_phase: bool) -> int:
