@@ -291,9 +291,9 @@ def two_phase_pays(rows: int, points: int, elem_size: int, training: bool = Fals
     Moved, forward: one-shot reads at each point the rows and its prefix, P (R + 1) e; two-phase reads the rows once,
     then each point writes and reads back its statistics u and reads its prefix, R e + P (8 + e).
     Moved, backward (`training`): one-shot reads each point's sources twice more and writes their gradients,
-    3 P (R + 1) e; two-phase recomputes each point's u from the rows and writes it (R e + 4), its phase 2 reads u and
-    the prefix and writes du and dx (8 + 2 e), and phase 1 reads the du (4 P), the rows twice and writes their
-    gradients (3 R e).
+    3 P (R + 1) e; two-phase recomputes each point's u from the rows, writes it and moves it to the saved shift
+    (R e + 12), its phase 2 reads u and the prefix and writes du and dx (8 + 2 e), and phase 1 reads the du (4 P),
+    the rows twice and writes their gradients (3 R e).
     Held (`held_bytes_per_token`): what autograd keeps beyond the rows and prefixes (activations either way).
     """
     e, R, P = elem_size, rows, points
@@ -301,7 +301,7 @@ def two_phase_pays(rows: int, points: int, elem_size: int, training: bool = Fals
     two_phase = R * e + P * (8 + e)
     if training:
         one_shot += 3 * P * (R + 1) * e
-        two_phase += P * (R * e + 4 + 8 + 2 * e + 4) + 3 * R * e
+        two_phase += P * (R * e + 12 + 8 + 2 * e + 4) + 3 * R * e
         if held_bytes_per_token(R, P, True) > held_bytes_per_token(R, P, False) + HELD_SLACK_PER_POINT * P:
             return False
     return two_phase < one_shot
