@@ -89,14 +89,33 @@ def apply_ddp(model: nn.Module) -> nn.Module:
 
 
 def apply_fsdp(model: nn.Module) -> nn.Module:
-    """FSDP2 (`fully_shard`) on the whole model: parameters, gradients and optimizer state sharded over the ranks,
-    gathered for the forward and again for the backward. Changes `model` in place and returns it.
+    """FSDP2 (`fully_shard`) composed onto an unchanged `AttnResForCausalLM`, as torchtitan does: one group per
+    decoder layer, one for the embedding, one for the head, then the root. Parameters, gradients and optimizer
+    state are sharded over the ranks; each group is gathered just before it runs, forward and backward, and freed
+    after (`reshard_after_forward`), so a layer's full parameters exist only while it runs. Changes `model` in place
+    and returns it.
 
-    One group for the whole model, not one per decoder layer: FSDP2 gathers a group again for backward from a hook
-    on its module's output tensors, and a decoder layer returns none (its output goes into the residual stream).
+    A decoder layer's group is its two sublayer bodies (`fully_shard([attention, mlp])`: one all-gather a layer),
+    not the layer module. FSDP2 gathers a group again for backward from a hook on what its modules return, and frees
+    the full gradients (reduce-scatter) from a hook on what they take; an AttnRes decoder layer's real inputs and
+    outputs are the residual stream's rows, which travel in the forward's state, not through its arguments, so hooks
+    on the layer would miss them. The bodies take the normed input and return the sublayer's output v: the hooks sit
+    on the tensors that carry the gradient, with no change to the model. What stays in the root group is O(d) a
+    layer (pseudo-queries, key gains, PreNorm gains) and is gathered once a step: Block's two-phase read scores all
+    the points of a block at its first layer, before the block's later layers run. The head's group stays gathered
+    after forward (its backward comes first); tied embeddings stay in the root (one parameter, two places).
     """
     from torch.distributed.fsdp import fully_shard
 
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or any(getattr(layer, "sides", None) is None for layer in layers):
+        raise TypeError(f"model: expected a planned AttnResForCausalLM (decoder layers in .model.layers), got "
+                        f"{type(model).__name__}")
+    for layer in layers:
+        fully_shard([getattr(layer, side.body) for side in layer.sides])
+    if not model.config.tie_word_embeddings:
+        fully_shard(model.get_input_embeddings())
+        fully_shard(model.get_output_embeddings(), reshard_after_forward=False)
     return fully_shard(model)
 
 
