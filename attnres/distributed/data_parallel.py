@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-PARALLEL = ("none", "ddp", "fsdp")
+PARALLEL = ("none", "ddp", "fsdp", "pipeline")
 DEFAULT_TIMEOUT_S = 300.0
 
 T = TypeVar("T")
@@ -172,9 +172,10 @@ def local_rows(batch: torch.Tensor, ranks: Ranks) -> torch.Tensor:
 
 def mean_over_ranks(value: torch.Tensor, ranks: Ranks) -> float:
     """The mean of a scalar over the ranks (every rank gets it)."""
-    value = value.detach().float().clone()
-    if ranks.world_size > 1:
-        collective(lambda: dist.all_reduce(value), "averaging the loss")  # gloo has no AVG: sum, then divide
+    if ranks.world_size == 1:
+        return value.item()
+    value = value.detach().float().to(collective_device(), copy=True)
+    collective(lambda: dist.all_reduce(value), "averaging the loss")  # gloo has no AVG: sum, then divide
     return value.item() / ranks.world_size
 
 
@@ -188,7 +189,7 @@ def on_main(fn: Callable[[], T], ranks: Ranks) -> T | None:
             error = e
     if ranks.world_size > 1:
         message = [None if error is None else str(error)]
-        collective(lambda: dist.broadcast_object_list(message, src=0), "waiting for rank 0")
+        collective(lambda: dist.broadcast_object_list(message, src=0, device=collective_device()), "waiting for rank 0")
         if message[0] is not None and error is None:
             error = ValueError(message[0])
     if error is not None:
@@ -199,6 +200,27 @@ def on_main(fn: Callable[[], T], ranks: Ranks) -> T | None:
 def barrier(ranks: Ranks, what: str) -> None:
     if ranks.world_size > 1:
         collective(dist.barrier, what)
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device of the tensors that the collectives of `group` (default: the whole world) take: the CPU where its
+    backend takes CPU tensors (gloo), else this rank's current device of the backend's kind (NCCL: CUDA). Every
+    collective of the package places its tensors here; NCCL rejects CPU tensors."""
+    kinds = dist.Backend.backend_capability.get(str(dist.get_backend(group)))
+    if kinds and "cpu" in kinds:
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    kind = kinds[0] if kinds else accelerator.type  # a mixed backend ("cpu:gloo,cuda:nccl"): the accelerator's
+    if accelerator is not None and kind == accelerator.type:
+        return torch.device(kind, torch.accelerator.current_device_index())
+    return torch.device(kind)
+
+
+def is_collective_error(error: BaseException) -> bool:
+    """A failed collective: a DistError, or the backend's error as a plain RuntimeError (DDP's reducer, the
+    pipeline's send and receive)."""
+    text = str(error).lower()
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and ("gloo" in text or "nccl" in text))
 
 
 def collective(fn: Callable[[], T], what: str) -> T:

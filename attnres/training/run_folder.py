@@ -14,6 +14,7 @@ classes) `AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import shutil
@@ -64,9 +65,10 @@ def prepare_run_dir(run_dir: Path, config: TrainConfig, run_info: dict) -> None:
     holds_run = any((run_dir / name).exists() for name in (CONFIG_FILE, LOG_FILE, CHECKPOINTS, FINAL))
     if config.resume and saved_path.exists():
         saved = json.loads(saved_path.read_text(encoding="utf-8"))
+        defaults = TrainConfig.__dataclass_fields__  # a setting newer than the saved run had its default there
         changed = [
             f"train.{key}" for key, value in run_info["train"].items()
-            if key not in RESUMABLE_CHANGES and saved["train"].get(key) != value
+            if key not in RESUMABLE_CHANGES and saved["train"].get(key, _default(defaults[key])) != value
         ]
         changed += [section for section in ("model", "data") if saved.get(section) != run_info[section]]
         if changed:
@@ -86,6 +88,10 @@ def prepare_run_dir(run_dir: Path, config: TrainConfig, run_info: dict) -> None:
             shutil.rmtree(run_dir / name, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(saved_path, json.dumps(run_info, indent=2) + "\n")
+
+
+def _default(field):
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
 
 
 def save_final(run_dir: str | Path, model: nn.Module, tokenizer, context: int,
