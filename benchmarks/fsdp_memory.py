@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{mode:<16} {rank:>4} {m['total'] / MIB:>9.1f} {m['params'] / MIB:>9.1f} {m['grads'] / MIB:>9.1f} "
                   f"{m['optimizer'] / MIB:>9.1f} {m['total'] / ddp[rank]:>7.2f}")
     payload = {
-        "command": "python benchmarks/fsdp_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python benchmarks/fsdp_memory.py", *(argv if argv is not None else sys.argv[1:])]),
         "settings": vars(args) | {"out": str(args.out), "ranks": RANKS, "residual": "block", "block_size": 2},
         "environment": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},
         "bytes_per_rank": per_rank,

@@ -316,7 +316,7 @@ class PipelineTrainer:
             for p, rank in self.owner.items():
                 buffer = p.detach().to(device)
                 collective(lambda: dist.broadcast(buffer, group=self.group, group_src=rank), "sharing the weights")
-                if buffer is not p:
+                if buffer.device != p.device:
                     p.copy_(buffer)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
