@@ -10,7 +10,7 @@ from tests.distributed.workers import run_ranks
 LAYERS, DIM, VOCAB, BATCH, SEQ = 4, 16, 64, 4, 8
 
 
-def build_model(residual: str, activation_checkpointing: bool):
+def build_model(residual: str, activation_checkpointing: bool, tied: bool = False):
     """Random pseudo-queries and key gains (zero queries cannot see a wrong schedule); two-phase reads for Block, so
     a block's first layer scores the queries of its later layers."""
     from attnres.models import AttnResConfig, AttnResForCausalLM
@@ -19,6 +19,7 @@ def build_model(residual: str, activation_checkpointing: bool):
     config = AttnResConfig(
         vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=LAYERS, num_attention_heads=2,
         max_position_embeddings=SEQ, residual=residual, attn_res_block_size=2, attn_res_two_phase=True,
+        tie_word_embeddings=tied,
     )
     model = AttnResForCausalLM(config)
     with torch.no_grad():
@@ -30,6 +31,12 @@ def build_model(residual: str, activation_checkpointing: bool):
     if activation_checkpointing:
         model.activation_checkpointing_enable()
     return model.train()
+
+
+# (residual, activation checkpointing, tied embeddings: the embedding and the head then stay in the root group)
+CASES = [(residual, ac, False) for residual in ("block", "full", "standard") for ac in (False, True)]
+CASES.append(("block", False, True))
+IDS = [f"{r}-{'ac' if a else 'noac'}" + ("-tied" if t else "") for r, a, t in CASES]
 
 
 def batch() -> torch.Tensor:
@@ -71,37 +78,36 @@ class FullParams:
 
 
 def shard_and_compare(rank: int) -> dict:
-    """Per residual and activation checkpointing: when each layer's full parameters existed, and the largest
-    difference of the loss and of any gradient from the one-process model on the same batch."""
+    """Per case of `CASES`: when each layer's full parameters existed, and the largest difference of the loss and of
+    any gradient from the one-process model on the same batch."""
     from torch.distributed.tensor import DTensor
 
     from attnres.distributed import apply_fsdp
 
     out = {}
     ids = batch()
-    for residual in ("block", "full", "standard"):
-        for ac in (False, True):
-            reference = build_model(residual, ac)
-            want_loss = reference(input_ids=ids, labels=ids).loss
-            want_loss.backward()
-            model = apply_fsdp(build_model(residual, ac))
-            watch = FullParams(model)
-            loss = model(input_ids=ids, labels=ids).loss  # every rank the whole batch: the averaged gradient is its
-            after_forward = watch.alive()
-            watch.in_backward = True
-            loss.backward()
-            grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                     for n, p in model.named_parameters()}
-            # layer 0's attention-side point has one source: its parameters get no gradient, here or there
-            assert all((grads[n] is None) == (p.grad is None) for n, p in reference.named_parameters())
-            worst = max(((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-8)).item()
-                        for n, p in reference.named_parameters() if p.grad is not None)
-            out[residual, ac] = dict(
-                forward=watch.forward, recompute=watch.recompute, backward=watch.backward, after_forward=after_forward,
-                after_backward=watch.alive(), loss=abs(loss.item() - want_loss.item()), worst_grad=worst,
-                sharded=all(isinstance(p, DTensor) and p.to_local().shape[0] <= -(-p.shape[0] // 2)
-                            for p in model.parameters()),
-            )
+    for residual, ac, tied in CASES:
+        reference = build_model(residual, ac, tied)
+        want_loss = reference(input_ids=ids, labels=ids).loss
+        want_loss.backward()
+        model = apply_fsdp(build_model(residual, ac, tied))
+        watch = FullParams(model)
+        loss = model(input_ids=ids, labels=ids).loss  # every rank the whole batch: the average is its gradient
+        after_forward = watch.alive()
+        watch.in_backward = True
+        loss.backward()
+        grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                 for n, p in model.named_parameters()}
+        # layer 0's attention-side point has one source: its parameters get no gradient, here or there
+        assert all((grads[n] is None) == (p.grad is None) for n, p in reference.named_parameters())
+        worst = max(((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-8)).item()
+                    for n, p in reference.named_parameters() if p.grad is not None)
+        out[residual, ac, tied] = dict(
+            forward=watch.forward, recompute=watch.recompute, backward=watch.backward, after_forward=after_forward,
+            after_backward=watch.alive(), loss=abs(loss.item() - want_loss.item()), worst_grad=worst,
+            sharded=all(isinstance(p, DTensor) and p.to_local().shape[0] <= -(-p.shape[0] // 2)
+                        for p in model.parameters()),
+        )
     return out
 
 
@@ -114,13 +120,10 @@ def results():
     return [launched[r][1] for r in (0, 1)]
 
 
-CASES = [(residual, ac) for residual in ("block", "full", "standard") for ac in (False, True)]
-
-
-@pytest.mark.parametrize("residual, ac", CASES, ids=[f"{r}-{'ac' if a else 'noac'}" for r, a in CASES])
-def test_a_layers_full_parameters_exist_only_while_it_runs(results, residual, ac):
+@pytest.mark.parametrize("residual, ac, tied", CASES, ids=IDS)
+def test_a_layers_full_parameters_exist_only_while_it_runs(results, residual, ac, tied):
     for per_rank in results:
-        r = per_rank[residual, ac]
+        r = per_rank[residual, ac, tied]
         assert r["sharded"]  # outside forward and backward every parameter is a DTensor holding half the rows
         # forward: both bodies of layer i see exactly layer i gathered; after forward, none is
         assert r["forward"] == [(i, [i]) for i in range(LAYERS) for _ in range(2)]
@@ -135,9 +138,9 @@ def test_a_layers_full_parameters_exist_only_while_it_runs(results, residual, ac
         assert r["after_backward"] == []
 
 
-@pytest.mark.parametrize("residual, ac", CASES, ids=[f"{r}-{'ac' if a else 'noac'}" for r, a in CASES])
-def test_loss_and_gradients_equal_one_process(results, residual, ac):
+@pytest.mark.parametrize("residual, ac, tied", CASES, ids=IDS)
+def test_loss_and_gradients_equal_one_process(results, residual, ac, tied):
     for per_rank in results:
-        r = per_rank[residual, ac]
+        r = per_rank[residual, ac, tied]
         assert r["loss"] <= 1e-6
         assert r["worst_grad"] <= 1e-5
