@@ -204,8 +204,8 @@ def barrier(ranks: Ranks, what: str) -> None:
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """The device of the tensors that the collectives of `group` (default: the whole world) take: the CPU where its
-    backend takes CPU tensors (gloo), else this rank's current device of the backend's kind (NCCL: CUDA). Every
-    collective of the package places its tensors here; NCCL rejects CPU tensors."""
+    backend takes CPU tensors (gloo), else this rank's current device of the backend's kind (NCCL: CUDA). The
+    training collectives (data parallel, pipeline) place their tensors here; NCCL rejects CPU tensors."""
     kinds = dist.Backend.backend_capability.get(str(dist.get_backend(group)))
     if kinds and "cpu" in kinds:
         return torch.device("cpu")

@@ -272,7 +272,9 @@ class PipelineTrainer:
     chunks and holds the gradients of their parameters (the others stay None). `schedule`: "gpipe", "1f1b" (one
     chunk a rank) or "interleaved" (`ScheduleInterleaved1F1B`, `virtual_stages` >= 2 chunks a rank). `cache_rows`:
     cross-stage caching (only changes anything with virtual stages). `traffic` counts what this rank's chunks sent in
-    the last step.
+    the last step. For a training loop (`attnres train --parallel pipeline`): `parameters` (what this rank's optimizer
+    updates), `clip_grad_norm_` (over all ranks), `sync_weights` (the whole model on every rank, to evaluate or save)
+    and `optimizer_state` / `load_optimizer_state` (a whole optimizer state dict, for checkpoints).
     """
 
     def __init__(self, model: nn.Module, *, schedule: str = "1f1b", microbatches: int, virtual_stages: int = 1,
@@ -323,7 +325,7 @@ class PipelineTrainer:
         """`optimizer.state_dict()` with the state of every parameter, each from the rank that trains it (on the
         CPU, on every rank). Every rank's optimizer must hold all the model's parameters, in the same order."""
         state = optimizer.state_dict()
-        mine = {i: _to_cpu(s) for i, s in state["state"].items()}  # the others' entries: see load_optimizer_state
+        mine = {i: _to_cpu(s) for i, s in state["state"].items()}  # only its own parameters' (load_optimizer_state)
         parts: list[dict | None] = [None] * self.plan.ranks
         collective(lambda: dist.all_gather_object(parts, mine, group=self.group), "gathering the optimizer")
         return {**state, "state": {i: s for part in parts for i, s in part.items()}}
