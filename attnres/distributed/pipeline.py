@@ -367,8 +367,8 @@ class PipelineTrainer:
         self.cache.check_empty()
         device = collective_device(self.group)
         loss = torch.stack(losses).mean().detach().float().to(device) if last else torch.zeros((), device=device)
-        collective(lambda: dist.broadcast(loss, group=self.group, group_src=self.plan.rank_of(self.plan.num_stages - 1)),
-                   "sharing the loss")
+        last_rank = self.plan.rank_of(self.plan.num_stages - 1)
+        collective(lambda: dist.broadcast(loss, group=self.group, group_src=last_rank), "sharing the loss")
         return loss.item()
 
     def _build(self, batch: int, seq: int):

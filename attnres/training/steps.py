@@ -14,12 +14,16 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 
-from attnres.distributed.data_parallel import Ranks, checkpoint_state, load_optimizer_state, local_rows, mean_over_ranks, parallelize
+from attnres.distributed.data_parallel import (
+    Ranks, checkpoint_state, load_optimizer_state, local_rows, mean_over_ranks, parallelize,
+)
 from attnres.distributed.pipeline import PipelineTrainer, check_pipeline
 from attnres.training.config import TrainConfig
 
 
 class DataParallelSteps:
+    """"none", "ddp", "fsdp": `model` wrapped (DDP) or sharded in place (FSDP) once, at construction."""
+
     def __init__(self, model: nn.Module, config: TrainConfig, ranks: Ranks):
         self.model, self.parallel, self.ranks = model, config.parallel, ranks
         self.trained = parallelize(model, config.parallel)  # what the training forward runs
@@ -44,6 +48,8 @@ class DataParallelSteps:
 
 
 class PipelineSteps:
+    """"pipeline": a `PipelineTrainer` over all ranks, with `microbatches(config, ranks)` microbatches a step."""
+
     def __init__(self, model: nn.Module, config: TrainConfig, ranks: Ranks):
         self.model = model
         self.trainer = PipelineTrainer(model, schedule=config.pp_schedule, microbatches=microbatches(config, ranks),
