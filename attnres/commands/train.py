@@ -9,6 +9,7 @@ import os
 import sys
 
 from attnres.distributed.data_parallel import PARALLEL
+from attnres.distributed.pipeline import SCHEDULES as PP_SCHEDULES
 from attnres.training.config import AUTOCAST, DEVICES, RESIDUALS, TrainConfig
 from attnres.training.optim import SCHEDULES
 
@@ -95,9 +96,17 @@ def register(sub) -> None:
 
     dp = p.add_argument_group("distributed (launch with torchrun)")
     dp.add_argument("--parallel", choices=PARALLEL, default=DEFAULTS["parallel"],
-                    help="ddp: DistributedDataParallel; fsdp: FSDP2 (fully_shard per decoder layer). Run under "
-                    "`torchrun --nproc-per-node N`; --batch-size is the global batch, split over the N ranks; rank 0 "
+                    help="ddp: DistributedDataParallel; fsdp: FSDP2 (fully_shard per decoder layer); pipeline: "
+                    "decoder layers in stages over the ranks (torch.distributed.pipelining). Run under `torchrun "
+                    "--nproc-per-node N`; --batch-size is the global batch (ddp, fsdp: split over the N ranks); rank 0 "
                     "logs and checkpoints (default: %(default)s)")
+    dp.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=DEFAULTS["pp_schedule"],
+                    help="pipeline schedule; interleaved needs --virtual-stages >= 2 (default: %(default)s)")
+    dp.add_argument("--virtual-stages", type=int, default=DEFAULTS["virtual_stages"],
+                    help="pipeline: chunks of decoder layers a rank; the layers split evenly into ranks x this "
+                    "(default: %(default)s)")
+    dp.add_argument("--microbatches", type=int, default=None,
+                    help="pipeline: microbatches a step; --batch-size must be a multiple (default: one per stage)")
     dp.add_argument("--dist-timeout", type=float, default=DEFAULTS["dist_timeout"],
                     help="seconds a collective waits for the other ranks before the run fails (default: %(default)s)")
 

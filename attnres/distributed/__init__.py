@@ -1,6 +1,6 @@
-"""Distributed training and inference on `torch.distributed`: data parallel and FSDP2 training
+"""Distributed training and inference on `torch.distributed`: data parallel and FSDP2 (per decoder layer) training
 (`data_parallel`), pipeline parallel training with cross-stage caching (`pipeline`), and the token-sharded Block bank
-for long prefills (`token_shard`)."""
+for long prefills (`token_shard`). Training's collectives place their tensors on `collective_device(group)`."""
 
 from attnres.distributed.data_parallel import (
     PARALLEL,
@@ -8,6 +8,7 @@ from attnres.distributed.data_parallel import (
     Ranks,
     apply_ddp,
     apply_fsdp,
+    collective_device,
     init_ranks,
     local_rows,
     parallelize,
@@ -22,6 +23,7 @@ __all__ = [
     "Ranks",
     "apply_ddp",
     "apply_fsdp",
+    "collective_device",
     "hop_bytes",
     "init_ranks",
     "local_rows",

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-PARALLEL = ("none", "ddp", "fsdp")
+PARALLEL = ("none", "ddp", "fsdp", "pipeline")
 DEFAULT_TIMEOUT_S = 300.0
 
 T = TypeVar("T")
@@ -89,14 +89,33 @@ def apply_ddp(model: nn.Module) -> nn.Module:
 
 
 def apply_fsdp(model: nn.Module) -> nn.Module:
-    """FSDP2 (`fully_shard`) on the whole model: parameters, gradients and optimizer state sharded over the ranks,
-    gathered for the forward and again for the backward. Changes `model` in place and returns it.
+    """FSDP2 (`fully_shard`) composed onto an unchanged `AttnResForCausalLM`, as torchtitan does: one group per
+    decoder layer, one for the embedding, one for the head, then the root. Parameters, gradients and optimizer
+    state are sharded over the ranks; each group is gathered just before it runs, forward and backward, and freed
+    after (`reshard_after_forward`), so a layer's full parameters exist only while it runs. Changes `model` in place
+    and returns it.
 
-    One group for the whole model, not one per decoder layer: FSDP2 gathers a group again for backward from a hook
-    on its module's output tensors, and a decoder layer returns none (its output goes into the residual stream).
+    A decoder layer's group is its two sublayer bodies (`fully_shard([attention, mlp])`: one all-gather a layer),
+    not the layer module. FSDP2 gathers a group again for backward from a hook on what its modules return, and frees
+    the full gradients (reduce-scatter) from a hook on what they take; an AttnRes decoder layer's real inputs and
+    outputs are the residual stream's rows, which travel in the forward's state, not through its arguments, so hooks
+    on the layer would miss them. The bodies take the normed input and return the sublayer's output v: the hooks sit
+    on the tensors that carry the gradient, with no change to the model. What stays in the root group is O(d) a
+    layer (pseudo-queries, key gains, PreNorm gains) and is gathered once a step: Block's two-phase read scores all
+    the points of a block at its first layer, before the block's later layers run. The head's group stays gathered
+    after forward (its backward comes first); tied embeddings stay in the root (one parameter, two places).
     """
     from torch.distributed.fsdp import fully_shard
 
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or any(getattr(layer, "sides", None) is None for layer in layers):
+        raise TypeError(f"model: expected a planned AttnResForCausalLM (decoder layers in .model.layers), got "
+                        f"{type(model).__name__}")
+    for layer in layers:
+        fully_shard([getattr(layer, side.body) for side in layer.sides])
+    if not model.config.tie_word_embeddings:
+        fully_shard(model.get_input_embeddings())
+        fully_shard(model.get_output_embeddings(), reshard_after_forward=False)
     return fully_shard(model)
 
 
@@ -153,9 +172,10 @@ def local_rows(batch: torch.Tensor, ranks: Ranks) -> torch.Tensor:
 
 def mean_over_ranks(value: torch.Tensor, ranks: Ranks) -> float:
     """The mean of a scalar over the ranks (every rank gets it)."""
-    value = value.detach().float().clone()
-    if ranks.world_size > 1:
-        collective(lambda: dist.all_reduce(value), "averaging the loss")  # gloo has no AVG: sum, then divide
+    if ranks.world_size == 1:
+        return value.item()
+    value = value.detach().float().to(collective_device(), copy=True)
+    collective(lambda: dist.all_reduce(value), "averaging the loss")  # gloo has no AVG: sum, then divide
     return value.item() / ranks.world_size
 
 
@@ -169,7 +189,7 @@ def on_main(fn: Callable[[], T], ranks: Ranks) -> T | None:
             error = e
     if ranks.world_size > 1:
         message = [None if error is None else str(error)]
-        collective(lambda: dist.broadcast_object_list(message, src=0), "waiting for rank 0")
+        collective(lambda: dist.broadcast_object_list(message, src=0, device=collective_device()), "waiting for rank 0")
         if message[0] is not None and error is None:
             error = ValueError(message[0])
     if error is not None:
@@ -180,6 +200,27 @@ def on_main(fn: Callable[[], T], ranks: Ranks) -> T | None:
 def barrier(ranks: Ranks, what: str) -> None:
     if ranks.world_size > 1:
         collective(dist.barrier, what)
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device of the tensors that the collectives of `group` (default: the whole world) take: the CPU where its
+    backend takes CPU tensors (gloo), else this rank's current device of the backend's kind (NCCL: CUDA). The
+    training collectives (data parallel, pipeline) place their tensors here; NCCL rejects CPU tensors."""
+    kinds = dist.Backend.backend_capability.get(str(dist.get_backend(group)))
+    if kinds and "cpu" in kinds:
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    kind = kinds[0] if kinds else accelerator.type  # a mixed backend ("cpu:gloo,cuda:nccl"): the accelerator's
+    if accelerator is not None and kind == accelerator.type:
+        return torch.device(kind, torch.accelerator.current_device_index())
+    return torch.device(kind)
+
+
+def is_collective_error(error: BaseException) -> bool:
+    """A failed collective: a DistError, or the backend's error as a plain RuntimeError (DDP's reducer, the
+    pipeline's send and receive)."""
+    text = str(error).lower()
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and ("gloo" in text or "nccl" in text))
 
 
 def collective(fn: Callable[[], T], what: str) -> T:

@@ -40,6 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from attnres.distributed.data_parallel import (
+    RankFailed, collective, collective_device, is_collective_error, lost_rank_message,
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -63,6 +66,10 @@ class PipelinePlan:
     def head_rows(self) -> int:
         """1 for the tensor that travels beside the rows (Block prefix, standard hidden sum); Full has none."""
         return 0 if self.residual == "full" else 1
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that runs chunk `stage`."""
+        return stage % self.ranks
 
     def layers(self, stage: int) -> range:
         per = self.num_layers // self.num_stages
@@ -228,6 +235,30 @@ def _check_model(model: nn.Module) -> None:
         raise ValueError("model: tie_word_embeddings must be off (the embedding and the head live on different stages)")
 
 
+def check_pipeline(schedule: str, microbatches: int, virtual_stages: int, num_layers: int, ranks: int) -> None:
+    """A ValueError naming the setting that cannot make a pipeline of `num_layers` decoder layers over `ranks`."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+    _positive_int("microbatches", microbatches)
+    _positive_int("virtual_stages", virtual_stages)
+    if (schedule == "interleaved") != (virtual_stages > 1):
+        raise ValueError(
+            f"virtual_stages: the {schedule!r} schedule needs {'>= 2' if schedule == 'interleaved' else '1'}, "
+            f"got {virtual_stages}"
+        )
+    if num_layers % (ranks * virtual_stages):
+        raise ValueError(
+            f"virtual_stages: {ranks} ranks x {virtual_stages} virtual stages must divide num_hidden_layers="
+            f"{num_layers} into equal chunks"
+        )
+    if schedule == "1f1b" and microbatches < ranks:
+        raise ValueError(f"microbatches: the 1f1b schedule needs at least one per rank ({ranks}), got {microbatches}")
+
+
+def _to_cpu(state: dict) -> dict:
+    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in state.items()}
+
+
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -241,41 +272,70 @@ class PipelineTrainer:
     chunks and holds the gradients of their parameters (the others stay None). `schedule`: "gpipe", "1f1b" (one
     chunk a rank) or "interleaved" (`ScheduleInterleaved1F1B`, `virtual_stages` >= 2 chunks a rank). `cache_rows`:
     cross-stage caching (only changes anything with virtual stages). `traffic` counts what this rank's chunks sent in
-    the last step.
+    the last step. For a training loop (`attnres train --parallel pipeline`): `parameters` (what this rank's optimizer
+    updates), `clip_grad_norm_` (over all ranks), `sync_weights` (the whole model on every rank, to evaluate or save)
+    and `optimizer_state` / `load_optimizer_state` (a whole optimizer state dict, for checkpoints).
     """
 
     def __init__(self, model: nn.Module, *, schedule: str = "1f1b", microbatches: int, virtual_stages: int = 1,
                  cache_rows: bool = True, group: dist.ProcessGroup | None = None):
         _check_model(model)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
-        _positive_int("microbatches", microbatches)
-        _positive_int("virtual_stages", virtual_stages)
-        if (schedule == "interleaved") != (virtual_stages > 1):
-            raise ValueError(
-                f"virtual_stages: the {schedule!r} schedule needs {'>= 2' if schedule == 'interleaved' else '1'}, "
-                f"got {virtual_stages}"
-            )
         if not dist.is_initialized():
             raise ValueError("PipelineTrainer: expected an initialized process group (torchrun or init_process_group)")
         ranks, config = dist.get_world_size(group), model.config
-        if config.num_hidden_layers % (ranks * virtual_stages):
-            raise ValueError(
-                f"virtual_stages: {ranks} ranks x {virtual_stages} virtual stages must divide num_hidden_layers="
-                f"{config.num_hidden_layers} into equal chunks"
-            )
-        if schedule == "1f1b" and microbatches < ranks:
-            raise ValueError(
-                f"microbatches: the 1f1b schedule needs at least one per rank ({ranks}), got {microbatches}"
-            )
+        check_pipeline(schedule, microbatches, virtual_stages, config.num_hidden_layers, ranks)
         self.model, self.schedule_name, self.microbatches = model, schedule, microbatches
         self.plan = PipelinePlan(config.residual, config.num_hidden_layers, ranks, virtual_stages,
                                  config.attn_res_block_size, cache_rows)
         self.group, self.rank = group, dist.get_rank(group)
         self.cache, self.traffic = RowCache(), HopTraffic()
-        self.chunks = [PipelineChunk(model, self.plan, c, self.cache, self.traffic)
-                       for c in range(self.rank, self.plan.num_stages, ranks)]
+        every = [PipelineChunk(model, self.plan, c, self.cache, self.traffic) for c in range(self.plan.num_stages)]
+        self.chunks = every[self.rank :: ranks]
+        # the rank that trains each parameter (the one whose chunk runs it): it alone has its gradient
+        self.owner = {p: self.plan.rank_of(chunk.index) for chunk in every for p in chunk.parameters()}
         self._schedule, self._shape = None, None
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters this rank trains: those of its chunks."""
+        return [p for p, rank in self.owner.items() if rank == self.rank]
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale the gradients, spread over the ranks, to a global 2-norm of at most `max_norm`, as
+        `torch.nn.utils.clip_grad_norm_` does in one process; returns the norm before clipping, on every rank."""
+        params = self.parameters()
+        local = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        squared = local.float().square().to(collective_device(self.group))
+        collective(lambda: dist.all_reduce(squared, group=self.group), "adding up the gradient norm")
+        total = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(local.device))
+        return total.item()
+
+    def sync_weights(self) -> None:
+        """Every parameter from the rank that trains it to all ranks (each optimizer updates only its own), so that
+        every rank holds the whole trained model, to evaluate or save it."""
+        device = collective_device(self.group)
+        with torch.no_grad():
+            for p, rank in self.owner.items():
+                buffer = p.detach().to(device)
+                collective(lambda: dist.broadcast(buffer, group=self.group, group_src=rank), "sharing the weights")
+                if buffer.device != p.device:
+                    p.copy_(buffer)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """`optimizer.state_dict()` with the state of every parameter, each from the rank that trains it (on the
+        CPU, on every rank). Every rank's optimizer must hold all the model's parameters, in the same order."""
+        state = optimizer.state_dict()
+        mine = {i: _to_cpu(s) for i, s in state["state"].items()}  # only its own parameters' (load_optimizer_state)
+        parts: list[dict | None] = [None] * self.plan.ranks
+        collective(lambda: dist.all_gather_object(parts, mine, group=self.group), "gathering the optimizer")
+        return {**state, "state": {i: s for part in parts for i, s in part.items()}}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load what `optimizer_state` returned, keeping only the state of this rank's parameters."""
+        optimizer.load_state_dict(state)
+        mine = set(self.parameters())
+        for p in [p for p in optimizer.state if p not in mine]:
+            del optimizer.state[p]
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         """Forward and backward of the batch input_ids `[B, T]` with labels `[B, T]` (-100: ignored; shifted inside,
@@ -297,13 +357,18 @@ class PipelineTrainer:
         self.traffic.sends.clear()
         losses: list[torch.Tensor] = []
         last = self.chunks[-1].is_last
-        if self.chunks[0].is_first:
-            self._schedule.step(input_ids, target=labels if last else None, losses=losses)
-        else:
-            self._schedule.step(target=labels if last else None, losses=losses)
+        inputs = (input_ids,) if self.chunks[0].is_first else ()
+        try:
+            self._schedule.step(*inputs, target=labels if last else None, losses=losses)
+        except RuntimeError as e:  # this rank's own error stays itself; a lost rank's becomes RankFailed
+            if is_collective_error(e):
+                raise RankFailed(lost_rank_message("running the pipeline schedule", e)) from e
+            raise
         self.cache.check_empty()
-        loss = torch.stack(losses).mean().detach() if last else torch.zeros((), dtype=torch.float32)
-        dist.broadcast(loss, group=self.group, group_src=(self.plan.num_stages - 1) % self.plan.ranks)
+        device = collective_device(self.group)
+        loss = torch.stack(losses).mean().detach().float().to(device) if last else torch.zeros((), device=device)
+        last_rank = self.plan.rank_of(self.plan.num_stages - 1)
+        collective(lambda: dist.broadcast(loss, group=self.group, group_src=last_rank), "sharing the loss")
         return loss.item()
 
     def _build(self, batch: int, seq: int):

@@ -4,8 +4,13 @@ Same schedule and same numbers as `BlockStream`, without autograd: the bank live
 or a decode step, N = tokens of the chunk or number of sequences), the prefix is carried as the ordinary residual
 with the last sublayer output pending, and each aggregation point is one `attnres::bank_aggregate` call (pending
 add, scoring, softmax, mixing, PreNorm and, at write layers, the bank-row write). Where it saves traffic, the rows
-completed at a write layer are scored once for the rest of the block (`depth_stats`) and each later point only
-merges its prefix (`attnres::bank_merge`).
+completed at a write layer are scored once for the next points of the block (`depth_stats`) and each of those points
+only merges its prefix (`attnres::bank_merge`).
+
+Memory: phase 1's statistics u are `[G, N, d]` fp32 for G points. Scored for the whole rest of a block at once they
+would outweigh the bank many times (Kimi K3: 23 points in fp32 against 8 bf16 rows, about 6x), so phase 1 scores the
+block's points in groups whose statistics take no more than the bank's own bytes (at least two points; each group
+reads the rows once more), and each group's decision is the bytes model's for its size.
 """
 
 from __future__ import annotations
@@ -36,18 +41,29 @@ class BankStream(BlockStream):
         self._prefix_buffer = torch.empty_like(x)
         self.pending: torch.Tensor | None = None
         self._phase1_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._phase1_end = -1  # the point after the scored group, where the next group of the block is scored
         # a stream's device and dtype never change: bind the backend's fused ops once, not at every point (at decode
-        # the lookup costs about as much as the fused op itself)
-        backend = select_backend(x)
-        self._aggregate = backend.bank_aggregate or bank_aggregate
-        self._merge = backend.bank_merge or bank_merge
+        # the lookup costs about as much as the fused op itself); traced, the registered custom ops, which dispatch
+        # inside (a traced backend selection would probe, and build, the CPU kernel)
+        if torch.compiler.is_compiling():
+            self._aggregate, self._merge = bank_aggregate_op, bank_merge_op
+        else:
+            backend = select_backend(x)
+            self._aggregate = backend.bank_aggregate or bank_aggregate
+            self._merge = backend.bank_merge or bank_merge
 
-    @torch.no_grad()
     def _read(self, norm):
+        # a with block, not the decorator: dynamo cannot trace the decorator's closure (a bound method)
+        with torch.no_grad():
+            return self._read_no_grad(norm)
+
+    def _read_no_grad(self, norm):
         point = self.points[self.point]
         write = self._is_write_point()
         if self.prefix is None:  # first point after a write: the pending output starts the new prefix
             self.prefix, self.pending = self._prefix_buffer.copy_(self.pending), None
+        if self.point == self._phase1_end and not write:
+            self._score_group(self._block_points())
         num_sources = self.nvb + 1
         out_w = None if norm is None else norm.weight
         out_eps = point.eps if norm is None else self._out_eps(norm, num_sources)
@@ -55,30 +71,28 @@ class BankStream(BlockStream):
         if self._phase1_stats is not None and not write:
             t = self.point - self._phase1_start
             m, z, u = (s[t] for s in self._phase1_stats)
-            merge = bank_merge_op if torch.compiler.is_compiling() else self._merge
-            mix = merge(m, z, u, self.prefix, self.pending, c, out_w, point.eps, out_eps)
+            mix = self._merge(m, z, u, self.prefix, self.pending, c, out_w, point.eps, out_eps)
         else:
-            aggregate = bank_aggregate_op if torch.compiler.is_compiling() else self._aggregate
-            mix = aggregate(self.bank, self.nvb, self.prefix, self.pending, c, out_w, point.eps, out_eps, write)
+            mix = self._aggregate(self.bank, self.nvb, self.prefix, self.pending, c, out_w, point.eps, out_eps, write)
         self.pending = None
         if write:
             self.nvb += 1
             self.prefix = None
-            self._score_rest_of_block()
+            self._score_group(self._block_points()[1:])
         mix = mix.reshape(self.shape)
         return mix if norm is not None else self._finish_unfused(mix, num_sources)
 
     def _write(self, output):
         self.pending = flat_tokens(output)
 
-    def _score_rest_of_block(self) -> None:
-        """Phase 1 for the block's remaining points against the rows now complete, each row read once."""
-        rest = self._block_points()[1:]
+    def _score_group(self, points: range) -> None:
+        """Phase 1 for the next group of `points` against the rows now complete, each row read once."""
+        group = points[: max(2, self.bank.shape[1] * self.bank.element_size() // 4)]  # u within the bank's bytes
         self._phase1_stats = None
         # a few tokens (decode) pay more in extra calls than two-phase saves in reads
         few_tokens = self.two_phase is None and self.bank.shape[0] < MIN_TWO_PHASE_TOKENS
-        if not few_tokens and self._use_two_phase(self.bank[:, 0], self.nvb, len(rest)):
-            cs = torch.stack([self.points[k].folded_query(self.acc) for k in rest])
-            m, z, u, _ = depth_stats_fwd(bank_rows(self.bank, self.nvb), cs, self.points[rest[0]].eps)
+        if not few_tokens and self._use_two_phase(self.bank[:, 0], self.nvb, len(group)):
+            cs = torch.stack([self.points[k].folded_query(self.acc) for k in group])
+            m, z, u, _ = depth_stats_fwd(bank_rows(self.bank, self.nvb), cs, self.points[group[0]].eps)
             self._phase1_stats = (m, z, u)
-            self._phase1_start = rest[0]
+            self._phase1_start, self._phase1_end = group.start, group.stop

@@ -25,7 +25,7 @@ import torch
 
 from attnres.layers.depth_attention import DepthAttention, RMSNorm
 from attnres.ops import depth_stats, merge_prefix
-from attnres.ops.backends import TORCH, select_backend
+from attnres.ops.backends import TORCH, backend_for
 from attnres.ops.two_phase import SoftmaxStats
 
 RESIDUAL_KINDS = ("standard", "full", "block")
@@ -241,13 +241,9 @@ class BlockStream(ResidualStream):
             return False
         if self.two_phase is not None:
             return self.two_phase
-        one_shot = select_backend(row)
-        # one-shot where the backend says two-phase never pays there, or where it has a one-shot kernel but no
-        # phase-1 kernel for these rows (its kernel beats torch ops)
-        phase1 = select_backend(row, stats_rows=max(rows, points))
-        if not one_shot.two_phase_can_pay or phase1.name == TORCH.name != one_shot.name:
+        if not backend_takes_two_phase(row.device.type, row.dtype, row.shape[-1], max(rows, points)):
             return False
-        return two_phase_pays(rows, points, row.element_size())
+        return two_phase_pays(rows, points, row.element_size(), training=torch.is_grad_enabled() and row.requires_grad)
 
     def _score_block(self) -> SoftmaxStats:
         """Phase 1: every point of the block against the completed rows, each row read once."""
@@ -269,19 +265,56 @@ class BlockStream(ResidualStream):
             out_norm_weight=None if norm is None else norm.weight,
             out_eps=point.eps if norm is None else self._out_eps(norm, num_sources),
             dtype=self.bank[0].dtype,
+            sources=self.bank,  # the backward recomputes u from the rows: no [N, d] fp32 kept per point
         )
         return out if norm is not None else self._finish_unfused(out, num_sources)
 
 
-def two_phase_pays(rows: int, points: int, elem_size: int) -> bool:
-    """Whether phase 1 + phase 2 moves fewer bytes than one-shot reads, per token and channel.
+@torch.compiler.assume_constant_result  # traced, the first selection would probe (and build) the CPU kernel
+def backend_takes_two_phase(device_type: str, dtype: torch.dtype, d: int, stats_rows: int) -> bool:
+    """False where the backend says two-phase never pays there, or where it has a one-shot kernel but no phase-1
+    kernel for `stats_rows` rows or queries (its kernel beats torch ops)."""
+    one_shot = backend_for(device_type, dtype, d)
+    phase1 = backend_for(device_type, dtype, d, stats_rows)
+    return one_shot.two_phase_can_pay and not phase1.name == TORCH.name != one_shot.name
 
-    One-shot: each of the `points` reads the `rows` shared rows and its prefix. Two-phase: the rows are read once,
-    then each point writes and reads back its fp32 statistics u and reads its prefix.
+
+# The bound two-phase keeps against one-shot, per token and point: two fp32 numbers (a test measures it)
+HELD_SLACK_PER_POINT = 8
+
+
+def two_phase_pays(rows: int, points: int, elem_size: int, training: bool = False) -> bool:
+    """Whether phase 1 + phase 2 over `rows` shared rows and `points` points moves fewer bytes than one-shot reads,
+    and holds no more for the backward. A model of what the kernels read and write, per token (and channel for moved
+    bytes, `elem_size` the rows' bytes per element; statistics are fp32); what both paths do alike is left out.
+
+    Moved, forward: one-shot reads at each point the rows and its prefix, P (R + 1) e; two-phase reads the rows once,
+    then each point writes and reads back its statistics u and reads its prefix, R e + P (8 + e).
+    Moved, backward (`training`): one-shot reads each point's sources twice more and writes their gradients,
+    3 P (R + 1) e; two-phase recomputes each point's u from the rows, writes it and moves it to the saved shift
+    (R e + 12), its phase 2 reads u and the prefix and writes du and dx (8 + 2 e), and phase 1 reads the du (4 P),
+    the rows twice and writes their gradients (3 R e).
+    Held (`held_bytes_per_token`): what autograd keeps beyond the rows and prefixes (activations either way).
     """
-    one_shot = points * (rows + 1) * elem_size
-    two_phase = rows * elem_size + points * (2 * 4 + elem_size)
+    e, R, P = elem_size, rows, points
+    one_shot = P * (R + 1) * e
+    two_phase = R * e + P * (8 + e)
+    if training:
+        one_shot += 3 * P * (R + 1) * e
+        two_phase += P * (R * e + 12 + 8 + 2 * e + 4) + 3 * R * e
+        if held_bytes_per_token(R, P, True) > held_bytes_per_token(R, P, False) + HELD_SLACK_PER_POINT * P:
+            return False
     return two_phase < one_shot
+
+
+def held_bytes_per_token(rows: int, points: int, two_phase: bool) -> int:
+    """Bytes per token that the aggregation keeps for the backward of a block's `points` points over `rows` shared
+    rows (one more source, the prefix, at each point), beyond the sources themselves, which the residual path holds
+    anyway: one-shot, the weights and key rstd of every source at every point (fp32); two-phase, phase 1's shift m,
+    sum z and the rows' key rstd; phase 2 keeps no u (`merge_prefix(sources=...)` recomputes it)."""
+    if two_phase:
+        return 4 * (2 * points + rows)
+    return 8 * points * (rows + 1)
 
 
 def _check_points(points: Sequence[DepthAttention] | None, num_layers: int) -> None:

@@ -81,16 +81,21 @@ def _probe(kind: str) -> Backend | None:
 def select_backend(x: torch.Tensor, stats_rows: int | None = None) -> Backend:
     """The backend for the one-shot op on sources like `x`, or for phase 1 when `stats_rows` (the larger of the
     numbers of sources and queries) is given; a backend without that op yields the torch path."""
+    return backend_for(x.device.type, x.dtype, x.shape[-1], stats_rows)
+
+
+def backend_for(device_type: str, dtype: torch.dtype, d: int, stats_rows: int | None = None) -> Backend:
+    """`select_backend` for sources on a `device_type` device, of `dtype` and hidden size d."""
     global _last
     choice = os.environ.get(BACKEND_ENV, "auto")
     if choice not in BACKEND_CHOICES:
         raise ValueError(f"{BACKEND_ENV}: expected one of {BACKEND_CHOICES}, got {choice!r}")
     backend = TORCH
-    if choice == "auto" and x.dtype != torch.float64:  # fp64 (gradcheck) always takes the reference-grade torch path
-        kind = "triton" if x.is_cuda else "cpu" if x.device.type == "cpu" else None
+    if choice == "auto" and dtype != torch.float64:  # fp64 (gradcheck) always takes the reference-grade torch path
+        kind = "triton" if device_type == "cuda" else "cpu" if device_type == "cpu" else None
         found = _probe(kind) if kind else None
         has_op = found is not None and (found.fwd if stats_rows is None else found.stats_fwd) is not None
-        fits = has_op and (found.max_d is None or x.shape[-1] <= found.max_d)
+        fits = has_op and (found.max_d is None or d <= found.max_d)
         fits = fits and (stats_rows is None or found.max_rows is None or stats_rows <= found.max_rows)
         backend = found if fits else TORCH
     _last = backend.name

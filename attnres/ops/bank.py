@@ -93,9 +93,9 @@ bank_merge_op = torch.library.custom_op("attnres::bank_merge", bank_merge, mutat
 
 @bank_aggregate_op.register_fake
 def _(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write):
-    return torch.empty_like(prefix)
+    return prefix.new_empty(prefix.shape)  # contiguous, as every backend's
 
 
 @bank_merge_op.register_fake
 def _(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps):
-    return torch.empty_like(prefix)
+    return prefix.new_empty(prefix.shape)  # contiguous, as every backend's

@@ -109,7 +109,8 @@ def depth_attention_fwd(
 def _(sources, c, out_norm_weight, eps, out_eps):
     x = sources[0]
     lead = (len(sources), *x.shape[:-1])
-    return torch.empty_like(x), x.new_empty(lead, dtype=c.dtype), x.new_empty(lead, dtype=c.dtype)
+    # contiguous, whatever the sources' strides: every backend returns a fresh contiguous output (inductor checks it)
+    return x.new_empty(x.shape), x.new_empty(lead, dtype=c.dtype), x.new_empty(lead, dtype=c.dtype)
 
 
 def torch_depth_attention_bwd(
@@ -175,7 +176,7 @@ def depth_attention_bwd(
 
 @depth_attention_bwd.register_fake
 def _(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps):
-    return [torch.empty_like(x) for x in sources], torch.empty_like(c), torch.empty_like(c)
+    return [x.new_empty(x.shape) for x in sources], c.new_empty(c.shape), c.new_empty(c.shape)  # contiguous
 
 
 def _setup_context(ctx, inputs, output):

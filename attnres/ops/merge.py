@@ -19,16 +19,24 @@ dominates the mixture (h ~ x).
 
 Without a prefix it is just the finish: h = u_a / z_a. The backward recomputes h from the op's inputs (a token's
 row is all it needs), so nothing beyond the inputs is saved.
+
+Memory in training: u_a is `[N, d]` fp32, and phase 1's u for all S points of a block is one tensor, so saving u_a
+(a view) would keep every block's whole `[S, N, d]` statistics alive until the backward, more than the residual history
+itself. Given the `sources` phase 1 scored (the bank rows, which autograd holds anyway), the op saves no u: its
+backward recomputes u_a from them with the point's query and the saved shift m_a (one more read of the rows, the
+phase-1 kernel with one query), so a point holds only m and z `[N]` beyond what one-shot reads hold.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from attnres.ops.backends import select_backend
-from attnres.ops.checks import FLOAT_DTYPES, check_eps, check_vector
+from attnres.ops.checks import FLOAT_DTYPES, check_eps, check_sources, check_vector
 from attnres.ops.depth_attention import fold_query, rms_normalize, rms_normalize_backward
-from attnres.ops.two_phase import SoftmaxStats
+from attnres.ops.two_phase import SoftmaxStats, depth_stats_fwd
 
 
 def _merge(m, z, u, prefix, c, eps):
@@ -73,15 +81,18 @@ def merge_prefix_fwd(
     eps: float,
     out_eps: float,
     dtype: torch.dtype,
+    rows: list[torch.Tensor],
 ) -> torch.Tensor:
-    """m, z `[N]`, u `[N, d]` (accumulator dtype), prefix `[N, d]` and c `[d]` (both or neither) -> out `[N, d]`."""
+    """m, z `[N]`, u `[N, d]` (accumulator dtype), prefix `[N, d]` and c `[d]` (both or neither, but c is needed
+    with rows) -> out `[N, d]`. `rows`: the sources u was scored from (`[N, d]` each), for the backward to recompute
+    u instead of saving it; empty: u is saved."""
     fwd = select_backend(u).merge_fwd or torch_merge_prefix_fwd
     return fwd(m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype)
 
 
 @merge_prefix_fwd.register_fake
-def _(m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype):
-    return torch.empty_like(u, dtype=dtype)
+def _(m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype, rows):
+    return u.new_empty(u.shape, dtype=dtype)  # every backend returns a contiguous result
 
 
 def torch_merge_prefix_bwd(
@@ -133,28 +144,38 @@ def merge_prefix_bwd(
 
 @merge_prefix_bwd.register_fake
 def _(grad_out, m, z, u, prefix, c, out_norm_weight, eps, out_eps):
-    def grad_of(t, dtype):
-        return u.new_empty(0) if t is None else torch.empty_like(t, dtype=dtype)
+    def grad_of(t, dtype):  # contiguous, as every backend returns them
+        return u.new_empty(0) if t is None else t.new_empty(t.shape, dtype=dtype)
 
     dx = grad_of(prefix, None if prefix is None else prefix.dtype)
-    return torch.empty_like(u), torch.empty_like(z), dx, grad_of(c, u.dtype), grad_of(out_norm_weight, u.dtype)
+    return grad_of(u, u.dtype), grad_of(z, z.dtype), dx, grad_of(c, u.dtype), grad_of(out_norm_weight, u.dtype)
+
+
+def recompute_stats_u(rows: list[torch.Tensor], c: torch.Tensor, m: torch.Tensor, eps: float) -> torch.Tensor:
+    """u `[N, d]` of the rows under the folded query c `[d]`, with the shift m `[N]` it had in phase 1: the phase-1
+    op with this one query, its own shift m' moved to m (the same up to rounding: a factor exp(m' - m) ~ 1)."""
+    m_own, _, u, _ = depth_stats_fwd(rows, c.unsqueeze(0), eps)
+    return u[0] * torch.exp(m_own[0] - m).unsqueeze(-1)
 
 
 def _setup_context(ctx, inputs, output):
-    m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype = inputs
-    ctx.save_for_backward(m, z, u, prefix, c, out_norm_weight)
+    m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype, rows = inputs
+    ctx.num_rows = len(rows)
+    ctx.save_for_backward(m, z, prefix, c, out_norm_weight, *(rows if rows else [u]))
     ctx.eps, ctx.out_eps = eps, out_eps
     ctx.out_norm_dtype = None if out_norm_weight is None else out_norm_weight.dtype
 
 
 def _backward(ctx, grad_out):
-    m, z, u, prefix, c, out_norm_weight = ctx.saved_tensors
+    m, z, prefix, c, out_norm_weight, *kept = ctx.saved_tensors
+    u = recompute_stats_u(kept, c, m, ctx.eps) if ctx.num_rows else kept[0]
     du, dz, dx, dc, d_out_w = merge_prefix_bwd(
         grad_out.contiguous(), m, z, u, prefix, c, out_norm_weight, ctx.eps, ctx.out_eps
     )
     dx, dc = (None, None) if prefix is None else (dx, dc)
     d_out_w = None if out_norm_weight is None else d_out_w.to(ctx.out_norm_dtype)
-    return None, dz, du, dx, dc, d_out_w, None, None, None
+    # the rows only stand in for u, whose gradient (du) carries theirs through phase 1
+    return None, dz, du, dx, dc, d_out_w, None, None, None, [None] * ctx.num_rows
 
 
 merge_prefix_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -189,6 +210,17 @@ def _check_prefix(prefix: torch.Tensor | None, u: torch.Tensor) -> None:
         )
 
 
+def _check_rows(sources: Sequence[torch.Tensor], u: torch.Tensor) -> list[torch.Tensor]:
+    """The sources as `[N, d]` rows (views where their strides allow), each of u's shape and on its device."""
+    xs = check_sources(sources)
+    if xs[0].shape != u.shape or xs[0].device != u.device:
+        raise ValueError(
+            f"sources: expected shape {tuple(u.shape)} on {u.device} (that of stats.u), "
+            f"got {tuple(xs[0].shape)} on {xs[0].device}"
+        )
+    return [x.reshape(-1, u.shape[-1]) for x in xs]
+
+
 def merge_prefix(
     stats: SoftmaxStats,
     prefix: torch.Tensor | None,
@@ -199,6 +231,7 @@ def merge_prefix(
     out_norm_weight: torch.Tensor | None = None,
     out_eps: float = 1e-6,
     dtype: torch.dtype | None = None,
+    sources: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Phase 2 of one point: its phase-1 statistics merged with its prefix, finished, in one pass per token.
 
@@ -211,6 +244,9 @@ def merge_prefix(
         out_norm_weight: when given, the sublayer PreNorm o `[d]` is fused into the finish.
         out_eps: epsilon of that output norm.
         dtype: dtype of the result; None keeps u's.
+        sources: the sources phase 1 scored (each `[..., d]`), when stats are theirs under this query, key gain and
+            eps: the backward then recomputes u from them instead of keeping it, so autograd holds no `[..., d]` fp32
+            row for this point (the sources it holds anyway). None: u is kept for the backward.
 
     Returns:
         `finish_stats(merge_stats(stats, depth_stats([prefix], query, key_norm_weight)), out_norm_weight)` `[..., d]`.
@@ -226,8 +262,11 @@ def merge_prefix(
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype: expected one of {FLOAT_DTYPES} or None, got {dtype}")
 
-    c = None if prefix is None else fold_query(query, key_norm_weight, u.dtype)
+    rows = [] if sources is None else _check_rows(sources, u)
+
+    c = None if prefix is None and not rows else fold_query(query, key_norm_weight, u.dtype)
     x = None if prefix is None else prefix.reshape(-1, d)
     dtype = u.dtype if dtype is None else dtype
-    out = merge_prefix_fwd(m.reshape(-1), z.reshape(-1), u.reshape(-1, d), x, c, out_norm_weight, eps, out_eps, dtype)
+    flat = (m.reshape(-1), z.reshape(-1), u.reshape(-1, d))
+    out = merge_prefix_fwd(*flat, x, c, out_norm_weight, eps, out_eps, dtype, rows)
     return out.reshape(u.shape)

@@ -114,7 +114,7 @@ def depth_stats_bwd(
 
 @depth_stats_bwd.register_fake
 def _(grad_z, grad_u, sources, cs, m, rstd, eps):
-    return [torch.empty_like(x) for x in sources], torch.empty_like(cs)
+    return [x.new_empty(x.shape) for x in sources], cs.new_empty(cs.shape)  # contiguous, as every backend's
 
 
 def _setup_context(ctx, inputs, output):

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from attnres.distributed.data_parallel import DEFAULT_TIMEOUT_S, PARALLEL
+from attnres.distributed.pipeline import SCHEDULES as PP_SCHEDULES
 from attnres.training.optim import SCHEDULES
 
 RESIDUALS = ("standard", "full", "block")
@@ -60,7 +61,10 @@ class TrainConfig:
     autocast: str = "auto"  # "auto": bf16 on CUDA, off on CPU (measured slower there); "off"; "bf16"
     device: str = "auto"
     threads: int | None = None  # CPU threads for torch (torch.set_num_threads, process-wide); None: torch's default
-    parallel: str = "none"  # "ddp" or "fsdp" under torchrun: `batch_size` is the global batch, split over the ranks
+    parallel: str = "none"  # "ddp", "fsdp" or "pipeline" under torchrun: `batch_size` is the global batch
+    pp_schedule: str = "1f1b"  # pipeline: "gpipe", "1f1b" or "interleaved" (with virtual_stages >= 2)
+    virtual_stages: int = 1  # pipeline: chunks of decoder layers a rank
+    microbatches: int | None = None  # pipeline: None: one per stage (ranks x virtual_stages)
     dist_timeout: float = DEFAULT_TIMEOUT_S  # seconds a collective waits for the other ranks before the run fails
     # run folder, logs, checkpoints
     out: str | None = None  # None: runs/<residual>-L<layers>-d<dim>-s<seed>
@@ -77,9 +81,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "layers", "dim", "heads", "block_size", "seq_len", "batch_size", "steps",
-                     "eval_interval", "eval_batches", "log_interval", "checkpoint_interval", "keep_checkpoints"):
+                     "eval_interval", "eval_batches", "log_interval", "checkpoint_interval", "keep_checkpoints",
+                     "virtual_stages"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("kv_heads", "ffn", "stop_after", "threads"):
+        for name in ("kv_heads", "ffn", "stop_after", "threads", "microbatches"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         if self.warmup is not None:
@@ -91,6 +96,7 @@ class TrainConfig:
         _check_choice("autocast", self.autocast, AUTOCAST)
         _check_choice("device", self.device, DEVICES)
         _check_choice("parallel", self.parallel, PARALLEL)
+        _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check_float("dist_timeout", self.dist_timeout, low=0, low_open=True)
         _check_float("lr", self.lr, low=0, low_open=True)
         _check_float("val_fraction", self.val_fraction, low=0, high=1, low_open=True, high_open=True)

@@ -23,8 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from attnres.distributed.data_parallel import (
-    RankFailed, barrier, checkpoint_state, end_ranks, init_ranks, load_optimizer_state, local_device, local_rows,
-    lost_rank_message, mean_over_ranks, on_main, parallelize,
+    RankFailed, barrier, end_ranks, init_ranks, is_collective_error, local_device, lost_rank_message, on_main,
 )
 from attnres.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from attnres.training.config import TrainConfig
@@ -32,6 +31,7 @@ from attnres.training.data import WindowSampler, check_fits, eval_batches, load_
 from attnres.training.logs import RunLog, read_log
 from attnres.training.optim import build_optimizer, lr_factor, set_lr
 from attnres.training.run_folder import CHECKPOINTS, branch_source, describe_run, prepare_run_dir, save_final
+from attnres.training.steps import check_settings, training_steps
 
 
 class TrainingDiverged(RuntimeError):
@@ -103,8 +103,8 @@ def train(config: TrainConfig, model: nn.Module | None = None) -> RunResult:
     before anything is written: bad ones raise ValueError naming the setting. A loss or gradient norm that
     becomes NaN or inf raises `TrainingDiverged`.
 
-    With `config.parallel` "ddp" or "fsdp" every rank of the process group (started from torchrun's environment
-    when none is) calls `train`; see `attnres.distributed.data_parallel`. A lost rank raises `RankFailed`.
+    With `config.parallel` "ddp", "fsdp" or "pipeline" every rank of the process group (started from torchrun's
+    environment when none is) calls `train`; see `attnres.training.steps`. A lost rank raises `RankFailed`.
     """
     device = _resolve_device(config.device)
     ranks = init_ranks(config.parallel, device, config.dist_timeout)
@@ -113,20 +113,12 @@ def train(config: TrainConfig, model: nn.Module | None = None) -> RunResult:
     except RuntimeError as e:
         if not ranks.distributed or isinstance(e, TrainingDiverged):
             raise
-        if isinstance(e, RankFailed) or _is_collective_error(e):
+        if isinstance(e, RankFailed) or is_collective_error(e):
             message = str(e) if isinstance(e, RankFailed) else lost_rank_message("training", e)
             raise RankFailed(f"{message} Resume from the last checkpoint with --resume.") from e
         raise
     finally:
         end_ranks(ranks)
-
-
-def _is_collective_error(error: RuntimeError) -> bool:
-    """A failed collective: DDP's reducer raises the backend's error as a plain RuntimeError, not a DistError."""
-    import torch.distributed as dist
-
-    text = str(error).lower()
-    return isinstance(error, dist.DistError) or "gloo" in text or "nccl" in text
 
 
 def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.device) -> RunResult:
@@ -142,6 +134,7 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
     corpus = read_corpus(config.data, config.max_bytes)
     splits = tokenize_and_split(corpus, tokenizer, config.val_fraction)
     check_fits(splits, config.seq_len, config.val_fraction)
+    check_settings(config, ranks)
     data = {"corpus": corpus.description, "tokenizer": config.tokenizer, "vocab_size": tokenizer.vocab_size,
             "train_tokens": len(splits.train), "val_tokens": len(splits.val), "fingerprint": splits.fingerprint}
     run_info = describe_run(config, model, data, device, autocast_dtype)
@@ -152,8 +145,7 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
     checkpoints = run_dir / CHECKPOINTS
     last = (latest_checkpoint(checkpoints) if config.resume else None) or branch  # its own checkpoint comes first
     state = load_checkpoint(last, model) if last is not None else None  # into the whole model, before sharding
-    trained = parallelize(model, config.parallel)  # what the training forward runs; `model` is the unwrapped one
-    params = [p for p in model.parameters() if p.requires_grad]
+    steps = training_steps(model, config, ranks)  # ddp wraps `model`, fsdp shards it, pipeline cuts it in chunks
     optimizer = build_optimizer(
         model, lr=config.lr, weight_decay=config.weight_decay, attn_res_lr_mult=config.attn_res_lr_mult,
         attn_res_weight_decay=config.attn_res_weight_decay,
@@ -165,7 +157,7 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
 
     step, weights = 0, None
     if state is not None:
-        load_optimizer_state(model, optimizer, state["optimizer"], config.parallel)
+        steps.load_optimizer_state(optimizer, state["optimizer"])
         sampler.load_state_dict(state["sampler"])
         _set_rng_state(state["rng"])
         step = state["step"]
@@ -173,6 +165,7 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
         log.truncate_after(step if last is not None else -1)  # the steps past the checkpoint are done again
 
     def evaluate() -> tuple[int, float]:
+        steps.sync_weights()
         val_loss = _evaluate(model, val_batches, autocast)
         log.write("eval", step=step, val_loss=val_loss)
         return step, val_loss
@@ -192,12 +185,7 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
                 step, steps=config.steps, warmup=config.warmup_steps, schedule=config.schedule,
                 min_lr_ratio=config.min_lr_ratio, decay_fraction=config.decay_fraction,
             ))
-            batch = local_rows(sampler.next_batch(), ranks).to(device)  # every rank draws the same global batch
-            with autocast:
-                loss = trained(input_ids=batch, labels=batch).loss
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip or math.inf)
-            loss_value, norm_value = mean_over_ranks(loss, ranks), grad_norm.item()
+            loss_value, norm_value = steps.run(sampler.next_batch().to(device), autocast, config.grad_clip or math.inf)
             for what, value in (("loss", loss_value), ("gradient norm", norm_value)):
                 if not math.isfinite(value):  # checked before optimizer.step(): the weights stay those of `step`
                     log.write("diverged", step=step + 1, loss=loss_value, grad_norm=norm_value)
@@ -218,8 +206,9 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
                 val_history.append(evaluate())
                 postfix["val"] = f"{val_history[-1][1]:.3f}"
             if step % config.checkpoint_interval == 0 or step == end:
+                steps.sync_weights()
                 _check_finite_weights(model, step, latest_checkpoint(checkpoints))  # only good weights are saved
-                weights, optimizer_state = checkpoint_state(model, optimizer, config.parallel)  # fsdp: gathered
+                weights, optimizer_state = steps.checkpoint_state(optimizer)  # fsdp, pipeline: gathered
                 state = {"optimizer": optimizer_state, "sampler": sampler.state_dict(), "rng": _rng_state()}
                 on_main(lambda: save_checkpoint(checkpoints, step, weights, state, keep=config.keep_checkpoints), ranks)
             bar.set_postfix(postfix, refresh=False)
@@ -228,7 +217,7 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
         bar.close()
     if step == config.steps and hasattr(model, "save_pretrained"):  # complete: model and tokenizer as final/
         if weights is None:  # a finished run resumed: this invocation ran no step
-            weights = checkpoint_state(model, optimizer, config.parallel)[0]
+            weights = steps.checkpoint_state(optimizer)[0]
         full = None if isinstance(weights, nn.Module) else weights.state_dict()  # fsdp: gathered on rank 0
         on_main(lambda: save_final(run_dir, model, tokenizer, config.seq_len, state_dict=full), ranks)
     barrier(ranks, "finishing")  # the last checkpoint and final/ are complete before any rank returns

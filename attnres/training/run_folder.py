@@ -14,6 +14,7 @@ classes) `AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import shutil
@@ -68,7 +69,7 @@ def prepare_run_dir(run_dir: Path, config: TrainConfig, run_info: dict) -> None:
         saved = json.loads(saved_path.read_text(encoding="utf-8"))
         changed = [
             f"train.{key}" for key, value in run_info["train"].items()
-            if key not in RESUMABLE_CHANGES and saved["train"].get(key) != value
+            if key not in RESUMABLE_CHANGES and _saved(saved["train"], key) != value
         ]
         changed += [section for section in ("model", "data") if saved.get(section) != run_info[section]]
         if changed:
@@ -109,7 +110,7 @@ def branch_source(config: TrainConfig, run_info: dict) -> Path:
     source = json.loads(source_file.read_text(encoding="utf-8"))
     mine, theirs = run_info["train"], source["train"]
     warmups = (config.warmup_steps, theirs["warmup"] if theirs["warmup"] is not None else theirs["steps"] // 10)
-    changed = [f"train.{k}" for k, v in mine.items() if k not in BRANCH_CHANGES and theirs.get(k) != v]
+    changed = [f"train.{k}" for k, v in mine.items() if k not in BRANCH_CHANGES and _saved(theirs, k) != v]
     changed += ["train.warmup"] if warmups[0] != warmups[1] else []
     changed += [section for section in ("model", "data") if source.get(section) != run_info[section]]
     if changed:
@@ -126,6 +127,14 @@ def branch_source(config: TrainConfig, run_info: dict) -> Path:
                 f"checkpoint at or before step {min(starts.values())}"
             )
     return path
+
+
+def _saved(settings: dict, key: str):
+    """A saved run's setting; its default where the run predates the setting."""
+    if key in settings:
+        return settings[key]
+    field = TrainConfig.__dataclass_fields__[key]
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
 
 
 def save_final(run_dir: str | Path, model: nn.Module, tokenizer, context: int,

@@ -14,7 +14,7 @@ def two_ranks(tmp_path_factory):
     """One launch of 2 gloo ranks for the tests that need a healthy group (each launch costs seconds of imports):
     ({"train": None, "token_shard": [rank 0's result, rank 1's]}, the folder of the training runs)."""
     tmp = tmp_path_factory.mktemp("two_ranks")
-    results = run_ranks(_two_rank_checks, 2, str(tmp))
+    results = run_ranks(_two_rank_checks, 2, str(tmp), timeout_s=60.0, join_s=300.0)  # a shared machine can be slow
     failed = {rank: value for rank, (status, value) in results.items() if status != "ok"}
     if failed:
         pytest.fail(f"a rank failed: {failed}")

@@ -17,18 +17,19 @@ class Crash(RuntimeError):
     pass
 
 
-def _rank_one_fails_at_step_two(rank: int, out: str, fault: str) -> None:
+def _rank_one_fails_at_step_two(rank: int, out: str, fault: str, parallel: str) -> None:
     config = TrainConfig(
         data=DATA, max_bytes=30_000, layers=2, dim=16, heads=2, ffn=32, seq_len=16, batch_size=4, steps=4,
         warmup=1, eval_interval=100, eval_batches=1, log_interval=1, out=out, progress=False, threads=1,
-        parallel="ddp",
+        parallel=parallel,
     )
+    forwards_a_step = 2 if parallel == "pipeline" else 1  # the pipeline's 2 microbatches run the base model twice
     calls = 0
 
-    def fail_at_second_forward(module, args, kwargs, output):
+    def fail_at_step_two(module, args, kwargs, output):
         nonlocal calls
         calls += module.training
-        if rank == 1 and calls == 2:
+        if rank == 1 and calls == forwards_a_step + 1:
             if fault == "raise":
                 raise Crash("rank 1 fails at training step 2")
             if fault == "exit":
@@ -38,13 +39,14 @@ def _rank_one_fails_at_step_two(rank: int, out: str, fault: str) -> None:
     from attnres.training.loop import build_model
 
     model = build_model(config, 256)
-    model.register_forward_hook(fail_at_second_forward, with_kwargs=True)
+    model.model.register_forward_hook(fail_at_step_two, with_kwargs=True)  # the base model: pipeline chunks run it
     train(config, model)
 
 
-@pytest.mark.parametrize("fault", ["raise", "exit", "stall"])
-def test_failing_rank_stops_the_other_with_a_clear_error(tmp_path, fault):
-    results = run_ranks(_rank_one_fails_at_step_two, 2, str(tmp_path / "run"), fault, timeout_s=TIMEOUT_S, join_s=60)
+@pytest.mark.parametrize("fault, parallel", [("raise", "ddp"), ("exit", "ddp"), ("stall", "ddp"), ("raise", "pipeline")])
+def test_failing_rank_stops_the_other_with_a_clear_error(tmp_path, fault, parallel):
+    results = run_ranks(_rank_one_fails_at_step_two, 2, str(tmp_path / "run"), fault, parallel, timeout_s=TIMEOUT_S,
+                        join_s=90)
 
     status, message = results[0]
     assert status == "error", results[0]  # not "hung" (still running after join_s, then killed) and not "ok"

@@ -3,6 +3,7 @@ the single-process model, with and without cross-stage caching, and each hop sen
 
 One launch of 4 ranks runs every case (a launch costs seconds): the 2-rank cases run on two pairs at once."""
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -290,3 +291,21 @@ def test_a_stream_exports_its_state_only_between_layers_and_resumes_only_fresh()
         stream.state()
     with pytest.raises(ValueError, match="layer: expected a fresh stream and 0 <= layer <= 2, got 1"):
         stream.resume(1, [hidden], hidden)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(pp_schedule="interleaved"), "virtual_stages: the 'interleaved' schedule needs >= 2, got 1"),
+    (dict(layers=3), "virtual_stages: 2 ranks x 1 virtual stages must divide num_hidden_layers=3 into equal chunks"),
+    (dict(batch_size=6, microbatches=4), "batch_size: expected a multiple of the 4 microbatches, got 6"),
+    (dict(microbatches=1), "microbatches: the 1f1b schedule needs at least one per rank (2), got 1"),
+])
+def test_train_checks_pipeline_settings_before_it_writes_anything(settings, message):
+    from attnres.distributed import Ranks
+    from attnres.training import TrainConfig
+    from attnres.training.steps import check_settings
+
+    config = TrainConfig(**{"parallel": "pipeline", "layers": 4, "batch_size": 8, **settings})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_settings(config, Ranks(0, 2))
+    with pytest.raises(ValueError, match="pp_schedule: expected one of gpipe, 1f1b, interleaved, got 'zigzag'"):
+        TrainConfig(parallel="pipeline", pp_schedule="zigzag")

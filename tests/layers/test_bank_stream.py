@@ -59,6 +59,31 @@ def test_bank_stream_two_phase_matches_one_shot(L, S, rescale):
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("L,S,dtype", [(9, 9, torch.float32), (12, 4, torch.float32), (8, 4, torch.bfloat16)],
+                         ids=lambda v: str(v))
+def test_phase_one_statistics_stay_within_the_bank_bytes(L, S, dtype, monkeypatch):
+    """Phase 1 scores a block's points in groups whose fp32 statistics u take no more than the bank (at least two
+    points), and the groups together serve every point of the block that two-phase serves."""
+    import attnres.layers.bank_stream as bank_stream
+
+    d, tokens = 16, 6
+    points, norms, mats = _stack(L, d, seed=4)
+    emb = torch.randn(tokens, d).to(dtype)
+    groups = []
+    real = bank_stream.depth_stats_fwd
+    monkeypatch.setattr(bank_stream, "depth_stats_fwd", lambda rows, cs, eps: groups.append(len(cs)) or real(rows, cs, eps))
+    with torch.no_grad():
+        ref = _run(make_stream("block", emb, L, points, block_size=S, two_phase=False), norms, mats)
+        stream = make_stream("block", emb, L, points, block_size=S, two_phase=True, inference=True)
+        out = _run(stream, norms, mats)
+    limit = max(2, stream.bank.numel() * stream.bank.element_size() // (4 * tokens * d))
+    assert groups and max(groups) <= limit < 2 * L - 1, (groups, limit)
+    blocks = -(-L // S)
+    points_after_writes = 2 * L + 1 - blocks
+    assert points_after_writes - blocks <= sum(groups) <= points_after_writes, groups  # a last single point: one-shot
+    torch.testing.assert_close(out, ref, **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}))
+
+
 def test_bank_stream_unfused_reads_return_the_mixture():
     L, S, d = 4, 2, 8
     points, norms, mats = _stack(L, d, seed=2)

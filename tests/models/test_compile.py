@@ -5,17 +5,21 @@ import pytest
 import torch
 
 from attnres.models import AttnResForCausalLM
+from attnres.ops import backends
 
 
 @pytest.mark.parametrize("residual", ["block"])
-def test_fullgraph_compile_matches_eager(tiny_config, residual):
+def test_fullgraph_compile_matches_eager(tiny_config, residual, monkeypatch):
+    """With the backend not yet selected in this process: the stream's two-phase decision asks for it while traced
+    (a constant to dynamo: the first selection probes, and may build, the CPU kernel, which dynamo cannot trace)."""
+    monkeypatch.setattr(backends, "_cache", {})
     torch.manual_seed(0)
     model = AttnResForCausalLM(tiny_config(residual=residual, attn_res_block_size=2))
     with torch.no_grad():
         for point in model.aggregation_points():
             point.proj.weight.normal_(0.0, 0.3)
     ids = torch.randint(0, 64, (2, 8))
-    compiled = torch.compile(model, backend="aot_eager")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     eager = model(ids, labels=ids)
     eager.loss.backward()
     want = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}

@@ -246,23 +246,32 @@ def test_gradcheck(gain, out_norm, with_weights):
 # --- torch.library registrations, torch.compile, non-contiguous inputs ---
 
 
-def _op_inputs(out_norm: bool, requires_grad: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
-    sources = [torch.randn(2, 3, 8, requires_grad=requires_grad) for _ in range(4)]
+def _op_inputs(
+    out_norm: bool, requires_grad: bool, transposed: bool = False
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
+    """Sources `[2, 3, 8]`, contiguous or dense but transposed (time-major storage, as `empty_like` would copy)."""
+    if transposed:
+        sources = [torch.randn(3, 2, 8).transpose(0, 1).requires_grad_(requires_grad) for _ in range(4)]
+    else:
+        sources = [torch.randn(2, 3, 8, requires_grad=requires_grad) for _ in range(4)]
     c = torch.randn(8, requires_grad=requires_grad)
     out_norm_weight = (torch.rand(8) + 0.5).requires_grad_(requires_grad) if out_norm else None
     return sources, c, out_norm_weight
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
 @pytest.mark.parametrize("out_norm", [False, True], ids=["plain", "out_norm"])
-def test_opcheck_forward(out_norm):
-    sources, c, o = _op_inputs(out_norm, requires_grad=True)
+def test_opcheck_forward(out_norm, transposed):
+    """The fake kernel's output metadata (strides included) against the real one's: contiguous for any sources."""
+    sources, c, o = _op_inputs(out_norm, requires_grad=True, transposed=transposed)
     torch.library.opcheck(torch.ops.attnres.depth_attention_fwd.default, (sources, c, o, 1e-6, 1e-5))
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
 @pytest.mark.parametrize("out_norm", [False, True], ids=["plain", "out_norm"])
 @pytest.mark.parametrize("weights_grad", [False, True], ids=["no_weights_grad", "weights_grad"])
-def test_opcheck_backward(out_norm, weights_grad):
-    sources, c, o = _op_inputs(out_norm, requires_grad=False)
+def test_opcheck_backward(out_norm, weights_grad, transposed):
+    sources, c, o = _op_inputs(out_norm, requires_grad=False, transposed=transposed)
     out, weights, rstd = torch.ops.attnres.depth_attention_fwd(sources, c, o, 1e-6, 1e-5)
     grad_weights = torch.randn_like(weights) if weights_grad else None
     args = (torch.randn_like(out), grad_weights, sources, c, o, weights, rstd, 1e-6, 1e-5)

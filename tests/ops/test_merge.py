@@ -179,11 +179,16 @@ def _flat_op_args(prefix: bool, out_norm: bool, dtype: torch.dtype = torch.float
 
 @pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "noprefix"])
 @pytest.mark.parametrize("out_norm", [True, False], ids=["onorm", "plain"])
-def test_opcheck(prefix, out_norm):
-    """Schema, fake (meta) and autograd registrations of both custom ops, as torch.compile needs them."""
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep_u", "recompute_u"])
+def test_opcheck(prefix, out_norm, recompute):
+    """Schema, fake (meta) and autograd registrations of both custom ops, as torch.compile needs them; with rows the
+    backward recomputes u from them (phase 1 with one query)."""
     args = _flat_op_args(prefix, out_norm, torch.bfloat16)
     with_grad = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) and i else t for i, t in enumerate(args)]
-    torch.library.opcheck(merge_prefix_fwd, (*with_grad, torch.bfloat16))
+    if recompute and not prefix:  # c stands for the query phase 1 scored the rows with
+        with_grad[4] = torch.randn(6, requires_grad=True)
+    rows = [torch.randn(6, 6, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)] if recompute else []
+    torch.library.opcheck(merge_prefix_fwd, (*with_grad, torch.bfloat16, rows))
     grad = torch.randn(args[2].shape).to(torch.bfloat16)
     torch.library.opcheck(torch.ops.attnres.merge_prefix_bwd.default, (grad, *args))
 
@@ -308,6 +313,26 @@ def test_kernels_match_the_torch_path(case: Case, nan_filled_empty):
 
 
 @kernel_test
+def test_kernels_read_a_strided_prefix_in_place():
+    """A prefix that is a bank row (token stride 3 d) gives, bit for bit, what its contiguous copy gives."""
+    from attnres.ops.triton import triton_merge_prefix_bwd, triton_merge_prefix_fwd
+
+    torch.manual_seed(3)
+    stats, prefix, w, g, o = make_inputs(Case(16, (6,), dtype=torch.bfloat16), DEVICE)
+    bank = torch.randn(6, 3, 16).to(torch.bfloat16).to(DEVICE)
+    bank[:, 1] = prefix
+    row = bank[:, 1]
+    assert not row.is_contiguous()
+    grad = torch.randn(6, 16).to(torch.bfloat16).to(DEVICE)
+    results = []
+    for x in (row, row.contiguous()):
+        args = (stats.m, stats.z, stats.u, x, w.reshape(-1) * g, o, EPS, OUT_EPS)
+        results.append([triton_merge_prefix_fwd(*args, torch.bfloat16), *triton_merge_prefix_bwd(grad, *args)])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@kernel_test
 def test_kernels_take_no_tokens():
     from attnres.ops.triton import triton_merge_prefix_bwd, triton_merge_prefix_fwd
 
@@ -344,7 +369,7 @@ def test_kernels_compile_for_hopper(fused):
 
     f32, i32 = "*fp32", "i32"
     common = {"m": f32, "z": f32, "u": f32, "prefix": "*bf16", "c": f32, "out_weight": f32, "N": i32,
-              "eps": "fp32", "out_eps": "fp32"}
+              "prefix_stride": i32, "eps": "fp32", "out_eps": "fp32"}
     fwd = {**common, "out": "*bf16"}
     bwd = {**common, "grad_out": "*bf16", "du_out": f32, "dz_out": f32, "dx_out": "*bf16", "dc_part": f32,
            "dow_part": f32, "programs": i32}

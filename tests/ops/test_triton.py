@@ -11,6 +11,7 @@ bf16 where a GPU rounds).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -19,6 +20,9 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from attnres.ops.depth_attention import fold_query  # noqa: E402
 from attnres.ops.naive import naive_depth_attention, naive_depth_stats  # noqa: E402
@@ -148,13 +152,15 @@ def op_case_id(case) -> str:
     return f"{str(dtype)[6:]}-d{d}-R{R}" + "-gain" * gain + "-onorm" * onorm + "-gw" * gw
 
 
-def check_op(sources, w, g, o, go, gw):
-    """Run the kernels' forward and backward and compare everything with the fp64 twin under autograd."""
+def check_op(sources, w, g, o, go, gw, around_kernels=contextlib.nullcontext):
+    """Run the kernels' forward and backward (inside `around_kernels()`) and compare everything with the fp64 twin
+    under autograd."""
     from attnres.ops.triton import triton_depth_attention_bwd, triton_depth_attention_fwd
 
     c = fold_query(w, g, torch.float32)
-    out, weights, rstd = triton_depth_attention_fwd(sources, c, o, EPS, OUT_EPS)
-    grads, dc, d_out_w = triton_depth_attention_bwd(go, gw, sources, c, o, weights, rstd, EPS, OUT_EPS)
+    with around_kernels():
+        out, weights, rstd = triton_depth_attention_fwd(sources, c, o, EPS, OUT_EPS)
+        grads, dc, d_out_w = triton_depth_attention_bwd(go, gw, sources, c, o, weights, rstd, EPS, OUT_EPS)
 
     leaf = lambda t: None if t is None else t.detach().double().requires_grad_()  # noqa: E731
     xs64, w64, g64, o64 = [leaf(x) for x in sources], leaf(w), leaf(g), leaf(o)
@@ -308,23 +314,16 @@ def stats_case_id(case) -> str:
     return f"{str(dtype)[6:]}-d{d}-R{R}-S{S}" + "-gain" * gain
 
 
-@kernel_test
-@pytest.mark.parametrize("case", STATS_CASES, ids=stats_case_id)
-def test_depth_stats_match_twin(case):
+def check_stats(sources, cs, n: int, around_kernels=contextlib.nullcontext):
+    """Phase 1's kernels, forward and backward (inside `around_kernels()`), against the fp64 twin under autograd, for
+    sources of n tokens."""
     from attnres.ops.triton import triton_depth_stats_bwd, triton_depth_stats_fwd
 
-    dtype, d, R, S, gain = case
-    torch.manual_seed(d * 7 + R * 3 + S)
-    lead = (3, 4)
-    sources = random_sources(R, lead, d, dtype)
-    queries = (torch.randn(S, d) * 2 / d**0.5).to(DEVICE)
-    gains = (1 + 0.5 * torch.randn(S, d)).to(DEVICE) if gain else None
-    cs = queries if gains is None else queries * gains
-    n = 12
+    (S, d), R = cs.shape, len(sources)
     grad_z, grad_u = torch.randn(S, n).to(DEVICE), torch.randn(S, n, d).to(DEVICE)
-
-    m, z, u, rstd = triton_depth_stats_fwd(sources, cs, EPS)
-    grads, dcs = triton_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, EPS)
+    with around_kernels():
+        m, z, u, rstd = triton_depth_stats_fwd(sources, cs, EPS)
+        grads, dcs = triton_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, EPS)
 
     xs64 = [x.detach().double().requires_grad_() for x in sources]
     cs64 = cs.detach().double().requires_grad_()
@@ -339,6 +338,55 @@ def test_depth_stats_match_twin(case):
         assert dx.dtype == sources[j].dtype and dx.shape == sources[j].shape
         assert_matches(dx, x64.grad, f"grad of source {j}")
     assert_matches(dcs, cs64.grad, "grad of the folded queries")
+
+
+@kernel_test
+@pytest.mark.parametrize("case", STATS_CASES, ids=stats_case_id)
+def test_depth_stats_match_twin(case):
+    dtype, d, R, S, gain = case
+    torch.manual_seed(d * 7 + R * 3 + S)
+    sources = random_sources(R, (3, 4), d, dtype)
+    queries = (torch.randn(S, d) * 2 / d**0.5).to(DEVICE)
+    gains = (1 + 0.5 * torch.randn(S, d)).to(DEVICE) if gain else None
+    check_stats(sources, queries if gains is None else queries * gains, n=12)
+
+
+class OnlyViewsOf(TorchDispatchMode):
+    """Records every torch op that takes a tensor of `base`'s storage and is not a view: a copy of its rows would be
+    one (`.contiguous()`, `.clone()`, `.to()`, `copy_`)."""
+
+    def __init__(self, base: torch.Tensor):
+        super().__init__()
+        self.storage = base.untyped_storage().data_ptr()
+        self.non_views: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        reads_base = any(t.untyped_storage().data_ptr() == self.storage for t in tensors)
+        if reads_base and not func.is_view:
+            self.non_views.append(str(func))
+        return func(*args, **kwargs)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_bank_rows_are_read_in_place(dtype):
+    """Sources that are rows `bank[:, j]` of an `[N, NB, d]` bank (token stride NB * d), beside a contiguous prefix and
+    an expanded one: the one-shot and phase-1 kernels read them through their strides (no op copies the bank, only
+    views of it are taken) and equal the fp64 twin, outputs and gradients."""
+    torch.manual_seed(5)
+    d, nvb = 24, 3
+    bank = (torch.randn(2, 5, nvb + 1, d) * torch.linspace(0.5, 1.5, nvb + 1)[:, None]).to(dtype).to(DEVICE)
+    rows = [bank[:, :, j] for j in range(nvb)]
+    assert not rows[0].is_contiguous() and rows[0].data_ptr() == bank.data_ptr()
+    sources = [*rows, torch.randn(2, 5, d).to(dtype).to(DEVICE), torch.randn(d).to(dtype).to(DEVICE).expand(2, 5, d)]
+    watch = OnlyViewsOf(bank)
+    w, g, o = (torch.randn(d) * 2 / d**0.5).to(DEVICE), (1 + torch.randn(d) / 2).to(DEVICE), torch.rand(d).to(DEVICE)
+    go, gw = torch.randn(2, 5, d).to(dtype).to(DEVICE), torch.randn(len(sources), 2, 5).to(DEVICE)
+    check_op(sources, w, g, o, go, gw, around_kernels=lambda: watch)
+    check_stats(sources, (torch.randn(3, d) * 2 / d**0.5).to(DEVICE), n=10, around_kernels=lambda: watch)
+    assert watch.non_views == [], f"ops that read the bank's storage other than as a view: {watch.non_views}"
 
 
 @kernel_test

@@ -199,8 +199,11 @@ def test_merge_is_exact_with_far_apart_scores():
     torch.testing.assert_close(finish_stats(stats)[0], strong, rtol=0, atol=0)
 
 
-def test_opcheck_depth_stats():
-    sources = [torch.randn(2, 3, 8, requires_grad=True) for _ in range(3)]
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
+def test_opcheck_depth_stats(transposed):
+    """Registrations as torch.compile needs them; dense transposed sources: the fake grads are contiguous too."""
+    shape = (3, 2, 8) if transposed else (2, 3, 8)
+    sources = [torch.randn(shape).transpose(0, int(transposed)).requires_grad_() for _ in range(3)]
     cs = torch.randn(4, 8, requires_grad=True)
     torch.library.opcheck(torch.ops.attnres.depth_stats_fwd.default, (sources, cs, 1e-6))
     plain = [x.detach() for x in sources]

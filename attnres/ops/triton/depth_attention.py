@@ -2,8 +2,10 @@
 
 Layout: a program owns BLOCK_T tokens and their whole row of d channels, padded to the power of two D_PAD and masked
 at the tail, so any d works and every reduction (sum of squares, score, output norm) stays in registers in fp32. The
-R sources are never stacked: the kernels read them through a table of their data pointers (an int64 tensor), the way
-fla's `fused_attnres` takes a tuple of tensors, without a compile per R.
+R sources are never stacked: the kernels read them through a table of (data pointer, row stride) pairs (an int64
+tensor), the way fla's `fused_attnres` takes a tuple of tensors, without a compile per R. Through the row stride a
+source is read in place whatever its token stride, such as a bank row `bank[:, j]` of an `[N, NB, d]` bank (as the
+CPU kernel does): only a source without unit stride along d is copied.
 
 Forward: one streaming pass over the sources with an online softmax (running max m, sum z and an fp32 accumulator), so
 each source is read exactly once; the aggregation is memory-bound and that read is its floor.
@@ -67,15 +69,22 @@ def num_programs(device: torch.device, work_items: int) -> int:
 
 
 def flat_sources(sources: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each source as a contiguous `[N, d]` view (a copy only for a non-contiguous source: the kernels index rows as
-    `token * d`, and the interpreter would read a strided tensor as garbage without a word)."""
+    """Each source as `[N, d]` rows with unit stride along d, read in place through their row stride (see
+    `pointer_table`): a view where the strides allow one (leading dims that flatten into one token stride, as for a
+    bank row or an expanded gradient), a copy otherwise (the interpreter would read other strides as garbage without
+    a word)."""
     x0 = sources[0]
     if x0.dtype not in TORCH_TO_TRITON:
         raise TypeError(f"sources: the Triton kernels take float32, bfloat16 or float16, got {x0.dtype}")
     d = x0.shape[-1]
     if d > MAX_D:
         raise ValueError(f"sources: the Triton kernels hold rows of at most d={MAX_D} channels, got d={d}")
-    return [x.reshape(-1, d).contiguous() for x in sources]
+    return [as_rows(x, d) for x in sources]
+
+
+def as_rows(x: torch.Tensor, d: int) -> torch.Tensor:
+    rows = x.reshape(-1, d)  # a view where the strides allow one
+    return rows if rows.stride(1) == 1 or d == 1 else rows.contiguous()
 
 
 def contiguous_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -83,26 +92,36 @@ def contiguous_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def pointer_table(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
-    """(int64 tensor of the tensors' data pointers on their device, whether all are 16-byte aligned).
+    """(int64 tensor `[2 K]` of the K `[N, d]` tensors' (data pointer, row stride in elements) pairs on their device,
+    whether every pointer is 16-byte aligned and every row stride a multiple of 8 elements: then each row starts on a
+    16-byte boundary and the kernels may issue 16-byte loads).
 
     On a GPU the table goes through pinned memory with a non-blocking copy: a pageable copy would synchronise the
     stream and stall the host on every call.
     """
-    ptrs = [t.data_ptr() for t in tensors]
-    table = torch.tensor(ptrs, dtype=torch.int64)
+    pairs = [(t.data_ptr(), t.stride(0)) for t in tensors]
+    table = torch.tensor(pairs, dtype=torch.int64).reshape(-1)
     device = tensors[0].device
     if device.type != "cpu":
         table = table.pin_memory().to(device, non_blocking=True)
-    return table, all(p % 16 == 0 for p in ptrs)
+    return table, all(ptr % 16 == 0 and stride % 8 == 0 for ptr, stride in pairs)
 
 
 @triton.jit
-def load_source(table, j, offsets, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
-    """Tile `offsets` of source j in fp32; the table holds the sources' data pointers as int64."""
-    base = tl.load(table + j).to(tl.pointer_type(DTYPE))
-    if ALIGNED:
-        base = tl.multiple_of(base, 16)  # lets the compiler emit 16-byte loads
-    return tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
+def row_pointers(table, j, rows, cols, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointers `[BLOCK_T, D_PAD]` to channels `cols` of tokens `rows` (int64) of the table's tensor j."""
+    base = tl.load(table + 2 * j).to(tl.pointer_type(DTYPE))
+    stride = tl.load(table + 2 * j + 1)
+    if ALIGNED:  # lets the compiler emit 16-byte loads
+        base = tl.multiple_of(base, 16)
+        stride = tl.multiple_of(stride, 8)
+    return base + (rows * stride)[:, None] + cols[None, :]
+
+
+@triton.jit
+def load_source(table, j, rows, cols, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Tile (tokens `rows`, channels `cols`) of the table's source j, in fp32."""
+    return tl.load(row_pointers(table, j, rows, cols, DTYPE, ALIGNED), mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -157,7 +176,7 @@ def depth_attention_fwd_kernel(
     z = tl.zeros([BLOCK_T], tl.float32)
     acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
     for j in range(R):
-        x = load_source(table, j, offsets, mask, DTYPE, ALIGNED)
+        x = load_source(table, j, rows, cols, mask, DTYPE, ALIGNED)
         r, s = score_source(x, cv, eps, D)
         tl.store(rstd + j * n64 + rows, r, mask=row_ok)
         tl.store(weights + j * n64 + rows, s, mask=row_ok)  # parked until m and z are final
@@ -205,7 +224,7 @@ def depth_attention_bwd_kernel(
         delta = tl.zeros([BLOCK_T], tl.float32)
         for j in range(R):
             a = tl.load(weights + j * n64 + rows, mask=row_ok, other=0.0)
-            mix += a[:, None] * load_source(table, j, offsets, mask, DTYPE, ALIGNED)
+            mix += a[:, None] * load_source(table, j, rows, cols, mask, DTYPE, ALIGNED)
             if HAS_GRAD_WEIGHTS:
                 delta += a * tl.load(grad_weights + j * n64 + rows, mask=row_ok, other=0.0)
         if OUT_NORM:  # the fused PreNorm's backward turns grad_out into the gradient reaching m
@@ -222,17 +241,14 @@ def depth_attention_bwd_kernel(
         for j in range(R):
             a = tl.load(weights + j * n64 + rows, mask=row_ok, other=0.0)
             r = tl.load(rstd + j * n64 + rows, mask=row_ok, other=0.0)
-            x = load_source(table, j, offsets, mask, DTYPE, ALIGNED)
+            x = load_source(table, j, rows, cols, mask, DTYPE, ALIGNED)
             g = tl.sum(x * dm, 1)
             if HAS_GRAD_WEIGHTS:
                 g += tl.load(grad_weights + j * n64 + rows, mask=row_ok, other=0.0)
             coef = a * (g - delta) * r
             s = tl.sum(x * cv[None, :], 1) * r
             dx = a[:, None] * dm + coef[:, None] * cv[None, :] - (coef * s * r / D)[:, None] * x
-            dx_base = tl.load(table + R + j).to(tl.pointer_type(DTYPE))
-            if ALIGNED:
-                dx_base = tl.multiple_of(dx_base, 16)
-            tl.store(dx_base + offsets, dx.to(DTYPE), mask=mask)
+            tl.store(row_pointers(table, R + j, rows, cols, DTYPE, ALIGNED), dx.to(DTYPE), mask=mask)
             dc += tl.sum(coef[:, None] * x, 0)
 
     tl.store(dc_part + pid * D + cols, dc, mask=col_ok)
@@ -289,7 +305,7 @@ def triton_depth_attention_bwd(
     xs = flat_sources(sources)
     n, d = xs[0].shape
     R, device = len(xs), xs[0].device
-    grads = [torch.empty_like(x) for x in xs]
+    grads = [torch.empty((n, d), dtype=x.dtype, device=device) for x in xs]
     programs = num_programs(device, n)
     dc_part = torch.zeros((programs, d), dtype=torch.float32, device=device)
     dow_part = torch.zeros((programs, d), dtype=torch.float32, device=device)

@@ -2,7 +2,7 @@
 
 Forward, one pass per block of tokens: score the prefix (fp32, key rstd), merge it with the point's phase-1
 statistics (m, z, u), divide, apply the fused output norm and store in the result's dtype (math in
-attnres.ops.merge). Backward, persistent over token blocks: recompute the token's mixture from the same inputs (its
+attnres.ops.merge). The prefix is read through its row stride (a view is not copied). Backward, persistent over token blocks: recompute the token's mixture from the same inputs (its
 row is all it needs), then write du, dz and dx; the `[d]` gradients of c and the output gain are summed per program
 into `[programs, d]` buffers and reduced with torch afterwards: no atomics, deterministic, interpreter-safe.
 
@@ -48,7 +48,7 @@ def merge_tile(m, z, u, x, cv, eps, D: tl.constexpr):
 @triton.heuristics({"BLOCK_T": block_tokens})
 @triton.jit
 def merge_prefix_fwd_kernel(
-    m, z, u, prefix, c, out_weight, out, N, eps, out_eps,
+    m, z, u, prefix, c, out_weight, out, N, prefix_stride, eps, out_eps,
     D: tl.constexpr, D_PAD: tl.constexpr, HAS_PREFIX: tl.constexpr, OUT_NORM: tl.constexpr,
     OUT_DTYPE: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -62,7 +62,7 @@ def merge_prefix_fwd_kernel(
     zs = tl.load(z + rows, mask=row_ok, other=1.0)
     us = tl.load(u + offsets, mask=mask, other=0.0)
     if HAS_PREFIX:
-        x = tl.load(prefix + offsets, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(prefix + (rows * prefix_stride)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         cv = tl.load(c + cols, mask=col_ok, other=0.0)
         zs, us, _, _, _, _ = merge_tile(tl.load(m + rows, mask=row_ok, other=0.0), zs, us, x, cv, eps, D)
     h = output_norm(us / zs[:, None], out_weight, cols, col_ok, out_eps, D, OUT_NORM)
@@ -77,7 +77,8 @@ def merge_prefix_fwd_kernel(
 @triton.heuristics({"BLOCK_T": block_tokens})
 @triton.jit
 def merge_prefix_bwd_kernel(
-    grad_out, m, z, u, prefix, c, out_weight, du_out, dz_out, dx_out, dc_part, dow_part, N, programs, eps, out_eps,
+    grad_out, m, z, u, prefix, c, out_weight, du_out, dz_out, dx_out, dc_part, dow_part, N, prefix_stride, programs,
+    eps, out_eps,
     D: tl.constexpr, D_PAD: tl.constexpr, HAS_PREFIX: tl.constexpr, OUT_NORM: tl.constexpr,
     X_DTYPE: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -100,7 +101,7 @@ def merge_prefix_bwd_kernel(
         ua = tl.load(u + offsets, mask=mask, other=0.0)
         zs, us = za, ua
         if HAS_PREFIX:
-            x = tl.load(prefix + offsets, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(prefix + (rows * prefix_stride)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             cv = tl.load(c + cols, mask=col_ok, other=0.0)
             zs, us, r, s, ea, eb = merge_tile(tl.load(m + rows, mask=row_ok, other=0.0), za, ua, x, cv, eps, D)
         h = us / zs[:, None]
@@ -127,6 +128,10 @@ def merge_prefix_bwd_kernel(
         tl.store(dc_part + pid * D + cols, dc, mask=col_ok)
     if OUT_NORM:
         tl.store(dow_part + pid * D + cols, dow, mask=col_ok)
+
+
+def row_stride(x: torch.Tensor | None) -> int:
+    return 0 if x is None else x.stride(0)
 
 
 def _check_stats(u: torch.Tensor) -> None:
@@ -156,7 +161,7 @@ def triton_merge_prefix_fwd(
     if n > 0:
         merge_prefix_fwd_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_T"]),)](
             m.contiguous(), z.contiguous(), u.contiguous(), x, contiguous_or_none(c),
-            contiguous_or_none(out_norm_weight), out, n, eps, out_eps,
+            contiguous_or_none(out_norm_weight), out, n, row_stride(x), eps, out_eps,
             D=d, D_PAD=padded_width(d), HAS_PREFIX=x is not None, OUT_NORM=out_norm_weight is not None,
             OUT_DTYPE=TORCH_TO_TRITON[dtype],
         )
@@ -185,7 +190,7 @@ def triton_merge_prefix_bwd(
     device = u.device
     du = torch.empty((n, d), dtype=torch.float32, device=device)
     dz = torch.empty(n, dtype=torch.float32, device=device)
-    dx = u.new_empty(0) if x is None else torch.empty_like(x)
+    dx = u.new_empty(0) if x is None else torch.empty((n, d), dtype=x.dtype, device=device)
     programs = num_programs(device, n)
     dc_part = u.new_zeros((programs, d) if x is not None else (1, 0))
     dow_part = u.new_zeros((programs, d) if out_norm_weight is not None else (1, 0))
@@ -193,7 +198,7 @@ def triton_merge_prefix_bwd(
         merge_prefix_bwd_kernel[(programs,)](
             grad_out.reshape(n, d).contiguous(), m.contiguous(), z.contiguous(), u.contiguous(), x,
             contiguous_or_none(c), contiguous_or_none(out_norm_weight), du, dz, dx, dc_part, dow_part,
-            n, programs, eps, out_eps,
+            n, row_stride(x), programs, eps, out_eps,
             D=d, D_PAD=padded_width(d), HAS_PREFIX=x is not None, OUT_NORM=out_norm_weight is not None,
             X_DTYPE=TORCH_TO_TRITON[torch.float32 if x is None else x.dtype],
         )

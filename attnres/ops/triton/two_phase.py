@@ -63,14 +63,13 @@ def depth_stats_fwd_kernel(
     cv = tl.load(cs + q * D + cols, mask=col_ok, other=0.0).to(tl.float32)
 
     stores_rstd = tl.where(q == 0, row_ok, False)  # every query sees the same key rstd: query 0 stores it
-    offsets = rows[:, None] * D + cols[None, :]
     n64 = N.to(tl.int64)
 
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
     z = tl.zeros([BLOCK_T], tl.float32)
     acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
     for j in range(R):
-        x = load_source(table, j, offsets, mask, DTYPE, ALIGNED)
+        x = load_source(table, j, rows, cols, mask, DTYPE, ALIGNED)
         r, s = score_source(x, cv, eps, D)
         tl.store(rstd + j * n64 + rows, r, mask=stores_rstd)
         m, z, acc = online_softmax_update(m, z, acc, s, x)
@@ -95,16 +94,23 @@ def depth_stats_bwd_kernel(
     q_ok = qs < S
     j_ok = js < R
     qj_ok = q_ok[:, None] & j_ok[None, :]
-    src = tl.load(table + js, mask=j_ok, other=0).to(tl.pointer_type(DTYPE))
-    dst = tl.load(table + R + js, mask=j_ok, other=0).to(tl.pointer_type(DTYPE))
+    # the table's (data pointer, row stride) pairs: R sources, then R grads
+    src = tl.load(table + 2 * js, mask=j_ok, other=0).to(tl.pointer_type(DTYPE))
+    src_stride = tl.load(table + 2 * js + 1, mask=j_ok, other=0)
+    dst = tl.load(table + 2 * (R + js), mask=j_ok, other=0).to(tl.pointer_type(DTYPE))
+    dst_stride = tl.load(table + 2 * (R + js) + 1, mask=j_ok, other=0)
     if ALIGNED:
         src = tl.multiple_of(src, 16)
         dst = tl.multiple_of(dst, 16)
+        src_stride = tl.multiple_of(src_stride, 8)
+        dst_stride = tl.multiple_of(dst_stride, 8)
     chunk = tl.arange(0, BLOCK_D)
 
     for n in range(pid, N, programs):
         tok = (n + tl.arange(0, 1)).to(tl.int64)  # [1]: keeps the token's offsets 64-bit
         q_rows = qs * n64 + tok  # row of (q, token) in the [S, N] statistics
+        src_row = src + tok * src_stride  # [R_PAD]: the token's row in each source
+        dst_row = dst + tok * dst_stride
 
         # sweep 1: scores c_q . x_j and gu_q . x_j over d
         cx = tl.zeros([S_PAD, R_PAD], tl.float32)
@@ -112,7 +118,7 @@ def depth_stats_bwd_kernel(
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + chunk
             col_ok = cols < D
-            x = tl.load(src[:, None] + (tok * D + cols)[None, :], mask=j_ok[:, None] & col_ok[None, :], other=0.0)
+            x = tl.load(src_row[:, None] + cols[None, :], mask=j_ok[:, None] & col_ok[None, :], other=0.0)
             x = x.to(tl.float32)
             gu = tl.load(grad_u + q_rows[:, None] * D + cols[None, :], mask=q_ok[:, None] & col_ok[None, :], other=0.0)
             cq = tl.load(cs + qs[:, None] * D + cols[None, :], mask=q_ok[:, None] & col_ok[None, :], other=0.0)
@@ -133,12 +139,12 @@ def depth_stats_bwd_kernel(
             cols = d0 + chunk
             col_ok = cols < D
             x_mask = j_ok[:, None] & col_ok[None, :]
-            x = tl.load(src[:, None] + (tok * D + cols)[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            x = tl.load(src_row[:, None] + cols[None, :], mask=x_mask, other=0.0).to(tl.float32)
             gu = tl.load(grad_u + q_rows[:, None] * D + cols[None, :], mask=q_ok[:, None] & col_ok[None, :], other=0.0)
             cq = tl.load(cs + qs[:, None] * D + cols[None, :], mask=q_ok[:, None] & col_ok[None, :], other=0.0)
             dx = tl.dot(tl.trans(p), gu, input_precision="ieee") + tl.dot(tl.trans(coef), cq, input_precision="ieee")
             dx -= x_scale[:, None] * x
-            tl.store(dst[:, None] + (tok * D + cols)[None, :], dx.to(DTYPE), mask=x_mask)
+            tl.store(dst_row[:, None] + cols[None, :], dx.to(DTYPE), mask=x_mask)
 
 
 @triton.jit
@@ -161,7 +167,7 @@ def depth_stats_dcs_kernel(
         x_mask = tok_ok[:, None] & col_ok[None, :]
         c_mask = (qs < S)[:, None] & tok_ok[None, :]
         for j in range(R):
-            x = load_source(table, j, toks[:, None] * D + cols[None, :], x_mask, DTYPE, ALIGNED)
+            x = load_source(table, j, toks, cols, x_mask, DTYPE, ALIGNED)
             cf = tl.load(coef + (j * S + qs[:, None]) * n64 + toks[None, :], mask=c_mask, other=0.0)
             acc += tl.dot(cf, x, input_precision="ieee")
     tl.store(dcs_part + (split * S + qs[:, None]) * D + cols[None, :], acc, mask=(qs < S)[:, None] & col_ok[None, :])
@@ -223,7 +229,7 @@ def triton_depth_stats_bwd(
     # chunk width and warps chosen so that sm_90 builds hold the tiles in registers (ptxas reports no spills for pads
     # up to 32); one stage: software pipelining of these loops costs more registers than it hides latency
     block_d = max(16, min(padded_width(d), 2048 // max(s_pad, r_pad)))
-    grads = [torch.empty_like(x) for x in xs]
+    grads = [torch.empty((n, d), dtype=x.dtype, device=device) for x in xs]
     coef = torch.empty((R, S, n), dtype=torch.float32, device=device)
     cs32 = cs.float().contiguous()
     dtype = TORCH_TO_TRITON[xs[0].dtype]
