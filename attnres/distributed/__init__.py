@@ -1,6 +1,6 @@
 """Distributed training and inference on `torch.distributed`: data parallel and FSDP2 training
-(`data_parallel`), pipeline parallel training with cross-stage caching (`pipeline`), and the token-sharded Block bank
-for long prefills (`token_shard`)."""
+(`data_parallel`), pipeline parallel training with cross-stage caching (`pipeline`), and tensor + sequence parallel
+training, prefill and decode with the residual state sharded along the sequence (`tensor_parallel`)."""
 
 from attnres.distributed.data_parallel import (
     PARALLEL,
@@ -13,6 +13,7 @@ from attnres.distributed.data_parallel import (
     parallelize,
 )
 from attnres.distributed.pipeline import PipelinePlan, PipelineTrainer, hop_bytes, paper_rows
+from attnres.distributed.tensor_parallel import TensorParallel, parallelize_tensor
 
 __all__ = [
     "PARALLEL",
@@ -20,6 +21,7 @@ __all__ = [
     "PipelineTrainer",
     "RankFailed",
     "Ranks",
+    "TensorParallel",
     "apply_ddp",
     "apply_fsdp",
     "hop_bytes",
@@ -27,4 +29,5 @@ __all__ = [
     "local_rows",
     "paper_rows",
     "parallelize",
+    "parallelize_tensor",
 ]

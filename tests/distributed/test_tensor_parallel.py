@@ -1,0 +1,121 @@
+"""Tensor + sequence parallel on 2 gloo ranks equals one process: logits, loss, every gradient and the residual state
+(each rank's token rows), for standard, Full and Block; then a prefill with a KV cache and one decode step."""
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from attnres.distributed import parallelize_tensor
+from attnres.layers.bank_stream import BankStream
+from attnres.layers.streams import BlockStream, FullStream, StandardStream
+from attnres.models import AttnResConfig, AttnResForCausalLM
+from tests.distributed.workers import run_ranks
+from tests.models import TINY, off_init_
+
+RESIDUALS = {"standard": {}, "full": {}, "block": {"attn_res_block_size": 2}}
+BATCH, SEQ = 2, 8
+
+
+def _model(residual: str) -> AttnResForCausalLM:
+    torch.manual_seed(0)
+    model = AttnResForCausalLM(AttnResConfig(**TINY, residual=residual, **RESIDUALS[residual]))
+    off_init_(model)
+    return model
+
+
+def _rows(stream) -> list[torch.Tensor]:
+    """The residual state a stream holds after the final read, each `[batch, tokens, hidden]`."""
+    if isinstance(stream, BankStream):
+        return list(stream.bank[:, : stream.nvb].unflatten(0, stream.shape[:2]).unbind(2))
+    if isinstance(stream, BlockStream):
+        return [*stream.bank, stream.prefix]
+    if isinstance(stream, FullStream):
+        return stream.sources
+    assert isinstance(stream, StandardStream)
+    return [stream.hidden]
+
+
+def _forward(model, input_ids, **kwargs):
+    state = model.forward_state()
+    return model(input_ids, attn_res=state, **kwargs), _rows(state.stream)
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+def _check_training(model, ref, tp, input_ids) -> None:
+    out, rows = _forward(model, input_ids, labels=input_ids)
+    out_ref, rows_ref = _forward(ref, input_ids, labels=input_ids)
+    out.loss.backward()
+    out_ref.loss.backward()
+    torch.testing.assert_close(out.logits, out_ref.logits)
+    torch.testing.assert_close(out.loss, out_ref.loss)
+    mine = tp.local_tokens(SEQ)
+    assert tp.sequence_sharded and mine.stop - mine.start == SEQ // 2
+    assert len(rows) == len(rows_ref)
+    for row, row_ref in zip(rows, rows_ref):
+        torch.testing.assert_close(row, row_ref[:, mine])  # this rank's tokens of every row, and only those
+    grads_ref = {name: p.grad for name, p in ref.named_parameters()}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(_full(p.grad), grads_ref[name], msg=name)
+
+
+@torch.no_grad()
+def _check_decode(model, ref, tp, input_ids) -> tuple[int, ...]:
+    """Prefill (sequence-sharded, KV cache of this rank's heads) and one decode step (replicated) after it."""
+    prompt, step = input_ids[:, :SEQ], input_ids[:, SEQ:]
+    out, rows = _forward(model, prompt, use_cache=True)
+    out_ref, rows_ref = _forward(ref, prompt, use_cache=True)
+    torch.testing.assert_close(out.logits, out_ref.logits)
+    for row, row_ref in zip(rows, rows_ref, strict=True):
+        torch.testing.assert_close(row, row_ref[:, tp.local_tokens(SEQ)])
+    nxt = model(step, cache=out.cache, use_cache=True)
+    assert not tp.sequence_sharded  # one token a sequence: replicated over the ranks
+    nxt_ref = ref(step, cache=out_ref.cache, use_cache=True)
+    torch.testing.assert_close(nxt.logits, nxt_ref.logits)
+    return tuple(nxt.cache.layers[0].keys.shape)
+
+
+def tensor_parallel_checks(rank: int) -> dict:
+    input_ids = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for residual in RESIDUALS:
+        ref = _model(residual)
+        model = copy.deepcopy(ref)
+        tp = parallelize_tensor(model)
+        _check_training(model, ref, tp, input_ids[:, :SEQ])
+        cache_shape = _check_decode(model.eval(), ref.eval(), tp, input_ids)
+        q_proj = model.model.layers[0].self_attn.q_proj.weight
+        results[residual] = {"q_proj": tuple(q_proj.to_local().shape), "cache_keys": cache_shape}
+    with pytest.raises(ValueError, match="needs a sequence length that is a multiple of 2"):
+        model.train()(input_ids[:, :3], labels=input_ids[:, :3])
+    with pytest.raises(ValueError, match="already parallelized"):
+        parallelize_tensor(model)
+    return results
+
+
+@pytest.fixture(scope="module")
+def tp_results():
+    results = run_ranks(tensor_parallel_checks, 2, join_s=240)
+    failed = {rank: value for rank, (status, value) in results.items() if status != "ok"}
+    if failed:
+        pytest.fail(f"a rank failed: {failed}")
+    return [results[r][1] for r in (0, 1)]
+
+
+def test_tensor_parallel_equals_one_process(tp_results):
+    """Each rank asserted the equalities inside; here: every rank holds half the query heads and half the KV heads."""
+    d, heads, kv = TINY["hidden_size"], TINY["num_attention_heads"], TINY["num_key_value_heads"]
+    head_dim = d // heads
+    for result in tp_results:
+        for residual in RESIDUALS:
+            assert result[residual]["q_proj"] == (heads // 2 * head_dim, d)
+            assert result[residual]["cache_keys"] == (BATCH, kv // 2, SEQ + 1, head_dim)
+
+
+def test_needs_a_mesh_or_a_process_group():
+    with pytest.raises(ValueError, match="expected a DeviceMesh or an initialized process group"):
+        parallelize_tensor(_model("standard"))
