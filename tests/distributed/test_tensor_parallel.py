@@ -1,5 +1,6 @@
 """Tensor + sequence parallel on 2 gloo ranks equals one process: logits, loss, every gradient and the residual state
-(each rank's token rows), for standard, Full and Block; then a prefill with a KV cache and one decode step."""
+(each rank's token rows), for standard, Full and Block (and a tied head); then a prefill with a KV cache and one
+decode step, and `generate`."""
 
 import copy
 
@@ -14,13 +15,18 @@ from attnres.models import AttnResConfig, AttnResForCausalLM
 from tests.distributed.workers import run_ranks
 from tests.models import TINY, off_init_
 
-RESIDUALS = {"standard": {}, "full": {}, "block": {"attn_res_block_size": 2}}
+CASES = {
+    "standard": {"residual": "standard"},
+    "full": {"residual": "full"},
+    "block": {"residual": "block", "attn_res_block_size": 2},
+    "block, tied head": {"residual": "block", "attn_res_block_size": 1, "tie_word_embeddings": True},
+}
 BATCH, SEQ = 2, 8
 
 
-def _model(residual: str) -> AttnResForCausalLM:
+def _model(case: str, **changes) -> AttnResForCausalLM:
     torch.manual_seed(0)
-    model = AttnResForCausalLM(AttnResConfig(**TINY, residual=residual, **RESIDUALS[residual]))
+    model = AttnResForCausalLM(AttnResConfig(**{**TINY, **CASES[case], **changes}))
     off_init_(model)
     return model
 
@@ -82,18 +88,24 @@ def _check_decode(model, ref, tp, input_ids) -> tuple[int, ...]:
 def tensor_parallel_checks(rank: int) -> dict:
     input_ids = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     results = {}
-    for residual in RESIDUALS:
-        ref = _model(residual)
+    for case in CASES:
+        ref = _model(case)
         model = copy.deepcopy(ref)
         tp = parallelize_tensor(model)
         _check_training(model, ref, tp, input_ids[:, :SEQ])
         cache_shape = _check_decode(model.eval(), ref.eval(), tp, input_ids)
         q_proj = model.model.layers[0].self_attn.q_proj.weight
-        results[residual] = {"q_proj": tuple(q_proj.to_local().shape), "cache_keys": cache_shape}
+        results[case] = {"q_proj": tuple(q_proj.to_local().shape), "cache_keys": cache_shape,
+                         "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+    # generate: a sharded prefill, then replicated decode steps on the KV cache
+    generated = model.generate(input_ids[:, :SEQ], max_new_tokens=3, do_sample=False)
+    torch.testing.assert_close(generated, ref.generate(input_ids[:, :SEQ], max_new_tokens=3, do_sample=False))
     with pytest.raises(ValueError, match="needs a sequence length that is a multiple of 2"):
         model.train()(input_ids[:, :3], labels=input_ids[:, :3])
     with pytest.raises(ValueError, match="already parallelized"):
         parallelize_tensor(model)
+    with pytest.raises(ValueError, match="num_key_value_heads = 1 does not split over 2"):
+        parallelize_tensor(_model("standard", num_key_value_heads=1))
     return results
 
 
@@ -111,9 +123,10 @@ def test_tensor_parallel_equals_one_process(tp_results):
     d, heads, kv = TINY["hidden_size"], TINY["num_attention_heads"], TINY["num_key_value_heads"]
     head_dim = d // heads
     for result in tp_results:
-        for residual in RESIDUALS:
-            assert result[residual]["q_proj"] == (heads // 2 * head_dim, d)
-            assert result[residual]["cache_keys"] == (BATCH, kv // 2, SEQ + 1, head_dim)
+        for case in CASES:
+            assert result[case]["q_proj"] == (heads // 2 * head_dim, d)
+            assert result[case]["cache_keys"] == (BATCH, kv // 2, SEQ + 1, head_dim)
+            assert result[case]["tied"] == CASES[case].get("tie_word_embeddings", False)
 
 
 def test_needs_a_mesh_or_a_process_group():
