@@ -22,40 +22,11 @@ import sys
 import time
 from pathlib import Path
 
+from study import LEARNED, PLATEAU, plateau_steps, steps_to
+
 from attnres.training import TrainConfig, train
 from attnres.training.checkpoint import atomic_write_text
 from attnres.training.logs import read_log
-
-# a validation loss well below the plateau (about 3.0-3.1 nats/byte) where short warm-ups stall: "has started to learn"
-LEARNED = 2.5
-# the band of validation loss (nats/byte) where the runs slow down after the first fast drop
-PLATEAU = (3.2, 2.9)
-
-
-def run_name(residual: str, warmup: int, lr: float, seed: int) -> str:
-    return f"{residual}-w{warmup}-lr{lr:g}-s{seed}"
-
-
-def config_for(args, residual: str, warmup: int, lr: float, seed: int) -> TrainConfig:
-    return TrainConfig(
-        data="stdlib", max_bytes=4 * 2**20, steps=args.steps, layers=6, dim=96, block_size=2, seq_len=128,
-        batch_size=16, lr=lr, warmup=warmup, attn_res_lr_mult=1.0, seed=seed, eval_interval=args.eval_interval,
-        checkpoint_interval=args.steps, residual=residual, threads=args.threads, progress=False, overwrite=True,
-        out=str(Path(args.runs) / run_name(residual, warmup, lr, seed)),
-    )
-
-
-def steps_to(curve: list[tuple[int, float]], level: float) -> int | None:
-    """The first evaluated step whose validation loss is below `level` (None: never)."""
-    return next((s for s, v in curve if v < level), None)
-
-
-def plateau_steps(curve: list[tuple[int, float]]) -> int | None:
-    """Steps from the first evaluation below `PLATEAU[0]` to the first below `PLATEAU[1]`: how long the run sat
-    on the plateau (to the resolution of the evaluation interval; None: never left it)."""
-    into, out = steps_to(curve, PLATEAU[0]), steps_to(curve, PLATEAU[1])
-    return None if into is None or out is None else out - into
-
 
 def run_one(args, residual: str, warmup: int, lr: float, seed: int) -> dict:
     config = config_for(args, residual, warmup, lr, seed)

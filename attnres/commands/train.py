@@ -71,6 +71,10 @@ def register(sub) -> None:
                    help="the schedule ends at lr * this (default: %(default)s)")
     o.add_argument("--decay-fraction", type=float, default=DEFAULTS["decay_fraction"],
                    help="wsd: share of the steps spent decaying (default: %(default)s)")
+    o.add_argument("--branch-from", default=None, metavar="CHECKPOINT",
+                   help="wsd: start from RUN/checkpoints/step-N of a longer wsd run with the same settings (N at or "
+                   "before both decays start) and decay from there; ends as a run of --steps trained from scratch "
+                   "would, for the cost of the decay only")
     o.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"],
                    help="AdamW weight decay of the weight matrices; norms, biases and embeddings get none (default: %(default)s)")
     o.add_argument("--attn-res-lr-mult", type=float, default=DEFAULTS["attn_res_lr_mult"],

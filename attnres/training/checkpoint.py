@@ -79,6 +79,14 @@ def checkpoint_name(step: int) -> str:
     return f"{_PREFIX}{step:06d}"
 
 
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The step of checkpoint folder `path`, read from its name."""
+    name = Path(path).name
+    if not name.startswith(_PREFIX) or not name[len(_PREFIX):].isdigit():
+        raise ValueError(f"checkpoint: expected a folder named {_PREFIX}NNNNNN, got {name!r}")
+    return int(name[len(_PREFIX):])
+
+
 def save_checkpoint(folder: str | os.PathLike, step: int, model: nn.Module, state: dict, keep: int = 1) -> Path:
     """Write checkpoint `step` under `folder` atomically; keep the newest `keep` checkpoints. Returns its path.
 

@@ -67,6 +67,7 @@ class TrainConfig:
     resume: bool = False  # continue the run in `out` from its latest checkpoint (start it if there is none)
     overwrite: bool = False  # delete the run already in `out` and start afresh
     stop_after: int | None = None  # end this invocation after this many steps (checkpointed); resume continues
+    branch_from: str | None = None  # a checkpoint of a WSD run with these settings but more steps: decay from it
     eval_interval: int = 100
     eval_batches: int = 8
     log_interval: int = 10
@@ -97,6 +98,8 @@ class TrainConfig:
         _check_float("decay_fraction", self.decay_fraction, low=0, high=1, low_open=True)
         for name in ("weight_decay", "attn_res_lr_mult", "attn_res_weight_decay", "grad_clip"):
             _check_float(name, getattr(self, name), low=0)
+        if self.branch_from is not None and self.schedule != "wsd":
+            raise ValueError(f"branch_from: expected schedule='wsd' (only WSD runs share a prefix), got {self.schedule!r}")
         if self.resume and self.overwrite:
             raise ValueError("resume, overwrite: expected at most one of them to be set")
         if self.warmup_steps > self.steps:

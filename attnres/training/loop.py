@@ -5,7 +5,9 @@ The run folder (see `attnres.training.run_folder`) holds `config.json`, `log.jso
 standard transformers folder (`AutoModelForCausalLM.from_pretrained(run_dir / "final")` after `import attnres`).
 A resumed run (`resume=True`) restores the weights, the optimizer, the step, the data sampler's generator and the
 RNG state from the latest checkpoint, so it ends with the same parameters, bit for bit, as a run that was never
-stopped.
+stopped. A WSD branch (`branch_from=RUN/checkpoints/step-N`, `schedule="wsd"`) starts the same way from a checkpoint
+of a longer WSD run with the same settings, taken before its decay (see `run_folder.branch_source`): it ends with the
+parameters of a run of its own `steps` trained from scratch, at the cost of its decay steps only.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from attnres.training.config import TrainConfig
 from attnres.training.data import WindowSampler, check_fits, eval_batches, load_tokenizer, read_corpus, tokenize_and_split
 from attnres.training.logs import RunLog, read_log
 from attnres.training.optim import build_optimizer, lr_factor, set_lr
-from attnres.training.run_folder import CHECKPOINTS, describe_run, prepare_run_dir, save_final
+from attnres.training.run_folder import CHECKPOINTS, branch_source, describe_run, prepare_run_dir, save_final
 
 
 class TrainingDiverged(RuntimeError):
@@ -143,11 +145,12 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
     data = {"corpus": corpus.description, "tokenizer": config.tokenizer, "vocab_size": tokenizer.vocab_size,
             "train_tokens": len(splits.train), "val_tokens": len(splits.val), "fingerprint": splits.fingerprint}
     run_info = describe_run(config, model, data, device, autocast_dtype)
+    branch = branch_source(config, run_info) if config.branch_from is not None else None
     on_main(lambda: prepare_run_dir(run_dir, config, run_info), ranks)
 
     model.to(device).train()
     checkpoints = run_dir / CHECKPOINTS
-    last = latest_checkpoint(checkpoints) if config.resume else None
+    last = (latest_checkpoint(checkpoints) if config.resume else None) or branch  # its own checkpoint comes first
     state = load_checkpoint(last, model) if last is not None else None  # into the whole model, before sharding
     trained = parallelize(model, config.parallel)  # what the training forward runs; `model` is the unwrapped one
     params = [p for p in model.parameters() if p.requires_grad]
@@ -161,12 +164,12 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
     log = RunLog(run_dir) if ranks.is_main else _NoLog()
 
     step, weights = 0, None
+    if state is not None:
+        load_optimizer_state(model, optimizer, state["optimizer"], config.parallel)
+        sampler.load_state_dict(state["sampler"])
+        _set_rng_state(state["rng"])
+        step = state["step"]
     if config.resume:
-        if state is not None:
-            load_optimizer_state(model, optimizer, state["optimizer"], config.parallel)
-            sampler.load_state_dict(state["sampler"])
-            _set_rng_state(state["rng"])
-            step = state["step"]
         log.truncate_after(step if last is not None else -1)  # the steps past the checkpoint are done again
 
     def evaluate() -> tuple[int, float]:

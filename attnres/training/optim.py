@@ -69,13 +69,17 @@ def lr_factor(step: int, *, steps: int, warmup: int, schedule: str, min_lr_ratio
         progress = (step - warmup) / max(1, steps - 1 - warmup)
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     if schedule == "wsd":
-        decay_steps = max(1, round(decay_fraction * steps))
-        decay_start = max(warmup, steps - decay_steps)
+        decay_start = wsd_decay_start(steps=steps, warmup=warmup, decay_fraction=decay_fraction)
         if step < decay_start:
             return 1.0
         progress = (step - decay_start) / max(1, steps - 1 - decay_start)
         return 1.0 - (1 - min_lr_ratio) * min(progress, 1.0)
     raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+
+
+def wsd_decay_start(*, steps: int, warmup: int, decay_fraction: float) -> int:
+    """The first step of a WSD run's decay: every step before it (after the warm-up) runs at the peak lr."""
+    return max(warmup, steps - max(1, round(decay_fraction * steps)))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, factor: float) -> float:

@@ -24,10 +24,12 @@ import torch
 from torch import nn
 
 from attnres.training.checkpoint import (
-    atomic_write_dir, atomic_write_text, checkpoint_name, latest_checkpoint, load_checkpoint,
+    MODEL_FILE, STATE_FILE, atomic_write_dir, atomic_write_text, checkpoint_name, checkpoint_step, latest_checkpoint,
+    load_checkpoint,
 )
 from attnres.training.config import RESUMABLE_CHANGES, TrainConfig
 from attnres.training.logs import LOG_FILE
+from attnres.training.optim import wsd_decay_start
 
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -86,6 +88,44 @@ def prepare_run_dir(run_dir: Path, config: TrainConfig, run_info: dict) -> None:
             shutil.rmtree(run_dir / name, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(saved_path, json.dumps(run_info, indent=2) + "\n")
+
+
+# settings a WSD branch may differ in from the run it branches from
+BRANCH_CHANGES = RESUMABLE_CHANGES | {"steps", "branch_from", "warmup"}
+
+
+def branch_source(config: TrainConfig, run_info: dict) -> Path:
+    """The checkpoint `config.branch_from`, checked to be a point on the path this run would take by itself.
+
+    A WSD run holds its peak lr from the end of the warm-up to the start of its decay, so two WSD runs that differ
+    only in their number of steps take the same steps until the earlier decay starts. A run of `config.steps` steps
+    that starts from the longer run's checkpoint at step N <= its own decay start therefore ends with the weights a
+    run started from scratch would: one long run can branch its decay at several budgets (see `loop.train`).
+    """
+    path = Path(config.branch_from)
+    source_file = path.parent.parent / CONFIG_FILE
+    if not all((path / name).is_file() for name in (MODEL_FILE, STATE_FILE)) or not source_file.is_file():
+        raise ValueError(f"branch_from: expected a checkpoint folder RUN/{CHECKPOINTS}/step-NNNNNN of a run, got {path}")
+    source = json.loads(source_file.read_text(encoding="utf-8"))
+    mine, theirs = run_info["train"], source["train"]
+    warmups = (config.warmup_steps, theirs["warmup"] if theirs["warmup"] is not None else theirs["steps"] // 10)
+    changed = [f"train.{k}" for k, v in mine.items() if k not in BRANCH_CHANGES and theirs.get(k) != v]
+    changed += ["train.warmup"] if warmups[0] != warmups[1] else []
+    changed += [section for section in ("model", "data") if source.get(section) != run_info[section]]
+    if changed:
+        raise ValueError(f"branch_from: {path} belongs to a different run; these settings differ: {', '.join(changed)}")
+    step = checkpoint_step(path)
+    starts = {
+        "this run": wsd_decay_start(steps=config.steps, warmup=warmups[0], decay_fraction=config.decay_fraction),
+        "the source run": wsd_decay_start(steps=theirs["steps"], warmup=warmups[1], decay_fraction=config.decay_fraction),
+    }
+    for who, start in starts.items():
+        if step > start:
+            raise ValueError(
+                f"branch_from: {path} is step {step}, past the decay start of {who} (step {start}); branch from a "
+                f"checkpoint at or before step {min(starts.values())}"
+            )
+    return path
 
 
 def save_final(run_dir: str | Path, model: nn.Module, tokenizer, context: int,

@@ -1,0 +1,80 @@
+"""The results page and the README's results section are what experiments/results.py makes of the committed JSON,
+and the studies' statistics are right on data whose answer is known."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import budget  # noqa: E402
+import query_lr  # noqa: E402
+import results  # noqa: E402
+from study import gap_stats, verdict  # noqa: E402
+
+
+def test_readme_results_section_is_generated_from_the_committed_json():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start, end = readme.index(results.BEGIN), readme.index(results.END) + len(results.END)
+    assert readme[start:end] == results.readme_block(), "README.md is stale: run python experiments/results.py"
+
+
+def test_results_page_is_generated_from_the_committed_json():
+    assert (ROOT / "docs" / "results.md").read_text(encoding="utf-8") == results.page(), \
+        "docs/results.md is stale: run python experiments/results.py"
+
+
+def test_gap_interval_is_the_t_interval():
+    stats = gap_stats([-0.035, -0.025, -0.03])
+    half = 4.303 * 0.005 / math.sqrt(3)  # t_{0.975, 2} * std / sqrt(n)
+    assert stats["mean"] == pytest.approx(-0.03) and stats["std"] == pytest.approx(0.005)
+    assert stats["ci95"] == pytest.approx([-0.03 - half, -0.03 + half])
+    assert verdict(stats) == "AttnRes lower (95% interval below 0)"
+    assert verdict(gap_stats([-0.03, 0.01, -0.02])) == "no measurable difference (95% interval spans 0)"
+    assert verdict(gap_stats([0.01])) == "one seed: no interval" and verdict(gap_stats([])) == "not measured"
+
+
+def fake_budget_runs(ratio: float) -> dict:
+    """Standard's loss falls by 0.1 per doubling of steps; Block is 0.02 lower at every budget, its steps `ratio`
+    times slower."""
+    runs = {}
+    for seed, noise in enumerate((0.0, 0.004, -0.004)):
+        for b in (100, 200, 400):
+            for res, shift, seconds in (("standard", 0.0, 1.0), ("block", -0.02, ratio)):
+                runs[f"{res}-{seed}-{b}"] = {
+                    "size": "L6", "residual": res, "seed": seed, "budget": b, "steps": b, "tokens": b * 2048,
+                    "num_params": 1, "val_loss": 3.0 - 0.1 * math.log2(b / 100) + shift + noise,
+                    "train_s": seconds * b, **({} if b == 400 else {"branched_at": b - 20}),
+                }
+    return runs
+
+
+def test_budget_gap_and_compute_matched_gap():
+    rows = budget.summarise(fake_budget_runs(ratio=2.0))
+    assert [r["budget"] for r in rows] == [100, 200, 400]
+    for r in rows:
+        assert r["gap"]["mean"] == pytest.approx(-0.02) and r["gap"]["std"] == pytest.approx(0.0, abs=1e-12)
+        assert r["step_time_ratio"] == pytest.approx(2.0)
+    # Block at 100 steps costs what standard does at 200, where standard is 0.1 lower: compute-matched gap +0.08
+    assert rows[0]["compute_matched_gap"]["mean"] == pytest.approx(0.08)
+    assert rows[1]["compute_matched_gap"]["mean"] == pytest.approx(0.08)
+    assert rows[2]["compute_matched_gap"]["n"] == 0  # 800 standard steps were not trained: no extrapolation
+
+
+def test_compute_matched_interpolates_in_log_steps():
+    assert budget.interpolate_log([(100, 3.0), (400, 2.8)], 200) == pytest.approx(2.9)
+    assert budget.interpolate_log([(100, 3.0), (400, 2.8)], 401) is None
+
+
+def test_query_lr_conclusion_keeps_an_unresolved_default():
+    runs = {}
+    for seed in range(3):
+        runs[f"s{seed}"] = {"residual": "standard", "seed": seed, "val_loss": 2.0}
+        for mult, loss in ((0.1, 1.99), (1.0, 1.98 + 0.02 * (seed == 1))):
+            runs[f"b{mult}{seed}"] = {"residual": "block", "seed": seed, "attn_res_lr_mult": mult,
+                                      "val_loss": loss + 0.001 * seed}
+    text = results.query_lr_conclusion({"runs": runs})
+    assert text.startswith("1 has the lowest mean loss") and "The default stays 0.1" in text
