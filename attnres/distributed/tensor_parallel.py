@@ -16,9 +16,13 @@ the gathered attention body sees. Around the stream:
 - the final read's mixture is all-gathered before the final norm, and the head is `ColwiseParallel` over the
   vocabulary with its logits gathered, so logits and loss are the one-process ones on every rank (gather before the
   head, not loss parallel: the family's own loss and `logits_to_keep` run unchanged).
-The parameters that act on local tokens only (pseudo-queries, key gains, the fused sublayer norms, per-head norms
-inside a body) are plain replicated tensors whose gradients are all-reduced over the mesh in backward, as
-transformers' `replicated_with_grad_allreduce` and Megatron's sequence-parallel norms do.
+Every parameter is a DTensor on the mesh, as in torchtitan, so that optimizers (foreach and fused included), gradient
+clipping and `torch.distributed.checkpoint` see one kind of parameter. Those outside the TP plan (pseudo-queries, key
+gains, the sublayer and final norms, per-head norms inside a body) are replicated; for the length of the base model's
+forward their modules hold local views of them (`to_local`, as FSDP2 swaps in its unsharded parameters), so that the
+stream and our ops see plain tensors. A view that acts on this rank's tokens or heads only gets a partial gradient,
+all-reduced over the mesh in backward (transformers' `replicated_with_grad_allreduce`, Megatron's sequence-parallel
+norms); the final norm's acts on every token (gathered) and needs none.
 
 A forward whose token count is not a multiple of P (a decode step: one token) runs with the residual state
 replicated instead: every layout above that says Shard(1) says Replicate for that forward, so the sublayer outputs
@@ -27,6 +31,8 @@ gradients needs the sharded layout (a multiple of P tokens).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -46,7 +52,7 @@ from attnres.distributed.data_parallel import collective
 SEQUENCE = Shard(1)  # [batch, seq, hidden]: the layout of the residual state between sublayers
 # what the family's transformers TP plan may say about a module inside a sublayer body, and what we apply
 _LINEAR_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-_LOCAL_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"  # a per-head norm: one of our all-reduced plain parameters
+_LOCAL_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"  # a per-head norm: one of our replicated parameters
 
 
 class TensorParallel:
@@ -62,7 +68,8 @@ class TensorParallel:
         self._shard_inputs: list[PrepareModuleInput] = []  # Replicate -> (sequence layout): the stream's start
         self._gather_inputs: list[PrepareModuleInput] = []  # (sequence layout) -> Replicate: bodies, final norm
         self._reduce_outputs: list[PrepareModuleOutput] = []  # partial sums -> (sequence layout): body outputs
-        self._grad_hooks: list = []
+        self._replicated: list[_Replicated] = []
+        self._swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
 
     @property
     def world_size(self) -> int:
@@ -98,10 +105,51 @@ class TensorParallel:
         for style in self._reduce_outputs:
             style.desired_output_layouts = (layout, *style.desired_output_layouts[1:])
 
-    def _all_reduce_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
-        collective(lambda: dist.all_reduce(grad, group=self.mesh.get_group()), "all-reducing a replicated gradient")
-        return grad
+    def _use_local_views(self, checkpointing: bool) -> None:
+        """Give each replicated parameter's module a local view of it for this forward (a base-model pre-hook)."""
+        self._restore()  # a forward that raised before its post-hook ran
+        for module, name, grad_placement, in_body in self._replicated:
+            if checkpointing and in_body and torch.is_grad_enabled():
+                raise ValueError(
+                    f"model: activation checkpointing recomputes the sublayer bodies in backward, after the forward, "
+                    f"and {name!r} of {type(module).__name__} inside a body is a replicated parameter whose local view "
+                    f"lasts for the forward only; train this family without gradient checkpointing under tensor parallel"
+                )
+            param = module._parameters[name]
+            self._swapped.append((module, name, param))
+            module._parameters[name] = param.to_local(grad_placements=(grad_placement,))
+
+    def _restore(self) -> None:
+        for module, name, param in self._swapped:
+            module._parameters[name] = param
+        self._swapped.clear()
+
+
+class _Replicated(NamedTuple):
+    module: nn.Module
+    name: str
+    grad_placement: Placement  # of its local view's gradient: Partial (this rank's tokens or heads) or Replicate
+    in_body: bool  # held by a sublayer body (which activation checkpointing recomputes after the forward)
+
+
+def _replicate(tp: TensorParallel, model: nn.Module, whole: set[int], bodies: set[int]) -> None:
+    """Every parameter the TP plan left plain becomes a Replicate DTensor; those not in `whole` (ids) get their
+    partial gradient all-reduced. `bodies`: ids of the modules inside sublayer bodies."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or isinstance(param, DTensor):
+                continue
+            replicated = nn.Parameter(DTensor.from_local(param.detach(), tp.mesh, [Replicate()], run_check=False),
+                                      requires_grad=param.requires_grad)
+            module._parameters[name] = replicated
+            partial = id(param) not in whole
+            if partial and replicated.requires_grad:
+                replicated.register_hook(_all_reduce)
+            tp._replicated.append(_Replicated(module, name, Partial() if partial else Replicate(), id(module) in bodies))
+
+
+def _all_reduce(grad: DTensor) -> DTensor:
+    return collective(lambda: grad.redistribute(placements=[Replicate()]), "all-reducing a replicated gradient")
 
 
 def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None) -> TensorParallel:
@@ -145,24 +193,24 @@ def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None) -> Tens
         parallelize_module(head, mesh, ColwiseParallel(output_layouts=Replicate()))
         if tied:
             head.weight = embed.weight  # both vocabulary rows, Shard(0): one parameter again
-    # the final norm sees every token (gathered); every other plain parameter sees this rank's tokens or heads only
-    whole = {id(p) for p in base.norm.parameters()}
-    for param in model.parameters():
-        if not isinstance(param, DTensor) and id(param) not in whole and param.requires_grad:
-            tp._grad_hooks.append(param.register_hook(tp._all_reduce_grad))
-    base.register_forward_pre_hook(_layout_hook(tp), with_kwargs=True)
+    # the final norm sees every token (gathered); every other replicated parameter this rank's tokens or heads only
+    bodies = {id(m) for layer in base.layers for side in layer.sides for m in getattr(layer, side.body).modules()}
+    _replicate(tp, model, whole={id(p) for p in base.norm.parameters()}, bodies=bodies)
+    base.register_forward_pre_hook(_forward_hook(tp), with_kwargs=True)
+    base.register_forward_hook(lambda module, args, output: tp._restore(), always_call=True)
     return tp
 
 
-def _layout_hook(tp: TensorParallel):
-    """A base-model forward pre-hook: the layout of this forward, from its token count."""
-    def set_layout(module, args, kwargs):
+def _forward_hook(tp: TensorParallel):
+    """A base-model forward pre-hook: the layout of this forward, from its token count, and the local views."""
+    def begin(module, args, kwargs):
         tokens = kwargs.get("input_ids")
         tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
         tokens = args[0] if tokens is None and args else tokens
         tp._use_layout(tokens.shape[1])
+        tp._use_local_views(any(layer.gradient_checkpointing for layer in module.layers))
 
-    return set_layout
+    return begin
 
 
 def _parallelize_body(tp: TensorParallel, body: nn.Module, side, linears: dict[str, str], mesh: DeviceMesh) -> None:

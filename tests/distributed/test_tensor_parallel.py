@@ -85,6 +85,30 @@ def _check_decode(model, ref, tp, input_ids) -> tuple[int, ...]:
     return tuple(nxt.cache.layers[0].keys.shape)
 
 
+def _check_optimizer_steps(input_ids) -> None:
+    """A few steps of a foreach optimizer with gradient clipping (every parameter a DTensor: no mixed lists) follow one
+    process's losses and gradient norms. SGD: Adam's first steps move every coordinate by about the learning rate
+    whatever its gradient's size, so rounding in near-zero gradients would show as noise."""
+    ref = _model("full")
+    model = copy.deepcopy(ref)
+    parallelize_tensor(model)
+    curves = []
+    for m in (ref, model):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, foreach=True)
+        curve = []
+        for _ in range(3):
+            loss = m(input_ids, labels=input_ids).loss
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            curve.append(torch.stack([loss.detach(), _full(norm)]))
+        curves.append(torch.stack(curve))
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    # the tolerance of the data-parallel loss curves (test_data_parallel): sums over ranks round in another order
+    torch.testing.assert_close(curves[1], curves[0], rtol=1e-5, atol=1e-6)
+
+
 def tensor_parallel_checks(rank: int) -> dict:
     input_ids = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     results = {}
@@ -97,6 +121,7 @@ def tensor_parallel_checks(rank: int) -> dict:
         q_proj = model.model.layers[0].self_attn.q_proj.weight
         results[case] = {"q_proj": tuple(q_proj.to_local().shape), "cache_keys": cache_shape,
                          "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+    _check_optimizer_steps(input_ids[:, :SEQ])
     # generate: a sharded prefill, then replicated decode steps on the KV cache
     generated = model.generate(input_ids[:, :SEQ], max_new_tokens=3, do_sample=False)
     torch.testing.assert_close(generated, ref.generate(input_ids[:, :SEQ], max_new_tokens=3, do_sample=False))
