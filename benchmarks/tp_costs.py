@@ -175,7 +175,7 @@ def main() -> None:
         "expected_comm_bytes_per_layer": {
             "forward": {"all_gather_into_tensor": 2 * row_bytes, "reduce_scatter_tensor": 2 * row_bytes},
             "backward": {"all_gather_into_tensor": 2 * row_bytes, "reduce_scatter_tensor": 2 * row_bytes,
-                         "allreduce_": replicated_grad_bytes},
+                         "all_reduce": replicated_grad_bytes},
             "note": "one [B, T, d] all-gather into and one reduce-scatter out of each of the layer's 2 sublayers; "
                     "backward: the same, reversed, plus the all-reduce of the gradients of the layer's replicated "
                     "parameters (pseudo-queries, key gains, PreNorm gains) and, once, the all-gather that gives the "
