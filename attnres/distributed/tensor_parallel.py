@@ -108,13 +108,15 @@ class TensorParallel:
     def _use_local_views(self, checkpointing: bool) -> None:
         """Give each replicated parameter's module a local view of it for this forward (a base-model pre-hook)."""
         self._restore()  # a forward that raised before its post-hook ran
-        for module, name, grad_placement, in_body in self._replicated:
-            if checkpointing and in_body and torch.is_grad_enabled():
-                raise ValueError(
-                    f"model: activation checkpointing recomputes the sublayer bodies in backward, after the forward, "
-                    f"and {name!r} of {type(module).__name__} inside a body is a replicated parameter whose local view "
-                    f"lasts for the forward only; train this family without gradient checkpointing under tensor parallel"
-                )
+        in_body = [r for r in self._replicated if r.in_body]
+        if checkpointing and in_body and torch.is_grad_enabled():
+            raise ValueError(
+                f"model: activation checkpointing recomputes the sublayer bodies in backward, after the forward, and "
+                f"{in_body[0].name!r} of {type(in_body[0].module).__name__} inside a body is a replicated parameter whose "
+                f"local view lasts for the forward only; train this family without gradient checkpointing under tensor "
+                f"parallel"
+            )
+        for module, name, grad_placement, _ in self._replicated:
             param = module._parameters[name]
             self._swapped.append((module, name, param))
             module._parameters[name] = param.to_local(grad_placements=(grad_placement,))

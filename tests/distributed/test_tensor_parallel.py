@@ -20,6 +20,7 @@ CASES = {
     "full": {"residual": "full"},
     "block": {"residual": "block", "attn_res_block_size": 2},
     "block, tied head": {"residual": "block", "attn_res_block_size": 1, "tie_word_embeddings": True},
+    "qwen3 (per-head norms in the attention)": {"base_model_type": "qwen3", "residual": "full", "head_dim": 8},
 }
 BATCH, SEQ = 2, 8
 
@@ -85,6 +86,19 @@ def _check_decode(model, ref, tp, input_ids) -> tuple[int, ...]:
     return tuple(nxt.cache.layers[0].keys.shape)
 
 
+def _check_checkpointing(input_ids) -> None:
+    """Activation checkpointing recomputes the sublayer bodies in backward, their collectives included."""
+    ref = _model("block")
+    model = copy.deepcopy(ref)
+    parallelize_tensor(model)
+    for m in (ref, model):
+        m.train().activation_checkpointing_enable()
+        m(input_ids, labels=input_ids).loss.backward()
+    grads_ref = {name: p.grad for name, p in ref.named_parameters()}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(_full(p.grad), grads_ref[name], msg=name)
+
+
 def _check_optimizer_steps(input_ids) -> None:
     """A few steps of a foreach optimizer with gradient clipping (every parameter a DTensor: no mixed lists) follow one
     process's losses and gradient norms. SGD: Adam's first steps move every coordinate by about the learning rate
@@ -122,6 +136,7 @@ def tensor_parallel_checks(rank: int) -> dict:
         results[case] = {"q_proj": tuple(q_proj.to_local().shape), "cache_keys": cache_shape,
                          "tied": model.lm_head.weight is model.model.embed_tokens.weight}
     _check_optimizer_steps(input_ids[:, :SEQ])
+    _check_checkpointing(input_ids[:, :SEQ])
     # generate: a sharded prefill, then replicated decode steps on the KV cache
     generated = model.generate(input_ids[:, :SEQ], max_new_tokens=3, do_sample=False)
     torch.testing.assert_close(generated, ref.generate(input_ids[:, :SEQ], max_new_tokens=3, do_sample=False))
@@ -129,6 +144,12 @@ def tensor_parallel_checks(rank: int) -> dict:
         model.train()(input_ids[:, :3], labels=input_ids[:, :3])
     with pytest.raises(ValueError, match="already parallelized"):
         parallelize_tensor(model)
+    qwen3 = _model("qwen3 (per-head norms in the attention)")
+    parallelize_tensor(qwen3)
+    qwen3.train().activation_checkpointing_enable()
+    with pytest.raises(ValueError, match="'weight' of Qwen3RMSNorm inside a body is a replicated parameter"):
+        qwen3(input_ids[:, :SEQ], labels=input_ids[:, :SEQ])
+    assert all(isinstance(p, DTensor) for p in qwen3.parameters())  # the refused forward left no local view behind
     with pytest.raises(ValueError, match="num_key_value_heads = 1 does not split over 2"):
         parallelize_tensor(_model("standard", num_key_value_heads=1))
     return results
