@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from attnres.distributed import parallelize_tensor
@@ -135,6 +136,9 @@ def tensor_parallel_checks(rank: int) -> dict:
         q_proj = model.model.layers[0].self_attn.q_proj.weight
         results[case] = {"q_proj": tuple(q_proj.to_local().shape), "cache_keys": cache_shape,
                          "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+    # a checkpoint: torch.distributed.checkpoint gathers the whole weights, the one-process model's
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    torch.testing.assert_close(whole, ref.state_dict())
     _check_optimizer_steps(input_ids[:, :SEQ])
     _check_checkpointing(input_ids[:, :SEQ])
     # generate: a sharded prefill, then replicated decode steps on the KV cache
