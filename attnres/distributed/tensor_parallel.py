@@ -16,7 +16,7 @@ the gathered attention body sees. Around the stream:
 - the final read's mixture is all-gathered before the final norm, and the head is `ColwiseParallel` over the
   vocabulary with its logits gathered, so logits and loss are the one-process ones on every rank (gather before the
   head, not loss parallel: the family's own loss and `logits_to_keep` run unchanged).
-Every parameter is a DTensor on the mesh, as in torchtitan, so that optimizers (foreach and fused included), gradient
+Every parameter is a DTensor on the mesh, as in torchtitan, so that optimizers (foreach ones included), gradient
 clipping and `torch.distributed.checkpoint` see one kind of parameter. Those outside the TP plan (pseudo-queries, key
 gains, the sublayer and final norms, per-head norms inside a body) are replicated; for the length of the base model's
 forward their modules hold local views of them (`to_local`, as FSDP2 swaps in its unsharded parameters), so that the
@@ -50,8 +50,8 @@ from torch.distributed.tensor.parallel import (
 from attnres.distributed.data_parallel import collective
 
 SEQUENCE = Shard(1)  # [batch, seq, hidden]: the layout of the residual state between sublayers
-# what the family's transformers TP plan may say about a module inside a sublayer body, and what we apply
-_LINEAR_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+# what the family's transformers TP plan may say about a linear inside a sublayer body
+_LINEAR_STYLES = ("colwise", "rowwise")
 _LOCAL_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"  # a per-head norm: one of our replicated parameters
 
 
@@ -87,7 +87,10 @@ class TensorParallel:
         return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
 
     def _use_layout(self, seq_len: int) -> None:
-        """Switch every sequence-side layout for a forward of `seq_len` tokens (a base-model forward pre-hook)."""
+        """Switch every sequence-side layout for a forward of `seq_len` tokens (a base-model forward pre-hook).
+
+        `PrepareModuleInput` and `PrepareModuleOutput` hooks read their style's layouts at each call, so setting them
+        here switches the whole model."""
         sharded = seq_len % self.world_size == 0
         if not sharded and torch.is_grad_enabled():
             raise ValueError(
@@ -245,11 +248,11 @@ def _body_plan(config, sides, world_size: int) -> dict[str, dict[str, str]]:
     bodies = {side.body: {} for side in sides}
     for key, style in plan.items():
         parts = key.split(".")
-        if parts[:2] != ["layers", "*"] or len(parts) != 4 or parts[2] not in bodies:
+        if parts[:2] != ["layers", "*"] or len(parts) < 3 or parts[2] not in bodies:
             continue
-        if style in _LINEAR_STYLES:
+        if len(parts) == 4 and style in _LINEAR_STYLES:
             bodies[parts[2]][parts[3]] = style
-        elif style != _LOCAL_GRAD_ALLREDUCE:
+        elif len(parts) != 4 or style != _LOCAL_GRAD_ALLREDUCE:
             raise ValueError(
                 f"base_model_type: the {family!r} TP plan shards {key!r} as {style!r}; AttnRes tensor parallel "
                 f"supports colwise/rowwise linears (dense attention and MLP), not {style!r}"

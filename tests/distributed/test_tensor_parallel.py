@@ -156,6 +156,9 @@ def tensor_parallel_checks(rank: int) -> dict:
     assert all(isinstance(p, DTensor) for p in qwen3.parameters())  # the refused forward left no local view behind
     with pytest.raises(ValueError, match="num_key_value_heads = 1 does not split over 2"):
         parallelize_tensor(_model("standard", num_key_value_heads=1))
+    moe = dict(base_model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8)
+    with pytest.raises(ValueError, match="the 'qwen3_moe' TP plan shards 'layers.*.mlp.experts"):
+        parallelize_tensor(_model("standard", **moe))
     return results
 
 
