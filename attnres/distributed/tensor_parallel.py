@@ -119,10 +119,12 @@ class TensorParallel:
                 f"local view lasts for the forward only; train this family without gradient checkpointing under tensor "
                 f"parallel"
             )
-        for module, name, grad_placement, _ in self._replicated:
-            param = module._parameters[name]
+        group = self.mesh.get_group()
+        for module, name, partial_grad, _ in self._replicated:
+            param = module._parameters[name]  # whatever holds it now (FSDP may have swapped in its own)
             self._swapped.append((module, name, param))
-            module._parameters[name] = param.to_local(grad_placements=(grad_placement,))
+            view = param.to_local()
+            module._parameters[name] = _SumGradOverRanks.apply(view, group) if partial_grad else view
 
     def _restore(self) -> None:
         for module, name, param in self._swapped:
@@ -133,28 +135,37 @@ class TensorParallel:
 class _Replicated(NamedTuple):
     module: nn.Module
     name: str
-    grad_placement: Placement  # of its local view's gradient: Partial (this rank's tokens or heads) or Replicate
+    partial_grad: bool  # its local view acts on this rank's tokens or heads only
     in_body: bool  # held by a sublayer body (which activation checkpointing recomputes after the forward)
 
 
+class _SumGradOverRanks(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the ranks (Megatron's copy to the tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        collective(lambda: dist.all_reduce(grad, group=ctx.group), "summing a replicated parameter's gradient")
+        return grad, None
+
+
 def _replicate(tp: TensorParallel, model: nn.Module, whole: set[int], bodies: set[int]) -> None:
-    """Every parameter the TP plan left plain becomes a Replicate DTensor; those not in `whole` (ids) get their
-    partial gradient all-reduced. `bodies`: ids of the modules inside sublayer bodies."""
+    """Every parameter the TP plan left plain becomes a Replicate DTensor; the local views of those not in `whole`
+    (ids) sum their gradients over the ranks. `bodies`: ids of the modules inside sublayer bodies."""
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is None or isinstance(param, DTensor):
                 continue
-            replicated = nn.Parameter(DTensor.from_local(param.detach(), tp.mesh, [Replicate()], run_check=False),
-                                      requires_grad=param.requires_grad)
-            module._parameters[name] = replicated
-            partial = id(param) not in whole
-            if partial and replicated.requires_grad:
-                replicated.register_hook(_all_reduce)
-            tp._replicated.append(_Replicated(module, name, Partial() if partial else Replicate(), id(module) in bodies))
-
-
-def _all_reduce(grad: DTensor) -> DTensor:
-    return collective(lambda: grad.redistribute(placements=[Replicate()]), "all-reducing a replicated gradient")
+            module._parameters[name] = nn.Parameter(
+                DTensor.from_local(param.detach(), tp.mesh, [Replicate()], run_check=False),
+                requires_grad=param.requires_grad,
+            )
+            tp._replicated.append(_Replicated(module, name, id(param) not in whole, id(module) in bodies))
 
 
 def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None) -> TensorParallel:
