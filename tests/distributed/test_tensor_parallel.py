@@ -1,12 +1,14 @@
 """Tensor + sequence parallel on 2 gloo ranks equals one process: logits, loss, every gradient and the residual state
 (each rank's token rows), for standard, Full and Block (and a tied head); then a prefill with a KV cache and one
-decode step, and `generate`."""
+decode step, and `generate`; FSDP2 x TP on a 1 x 2 and a 2 x 1 mesh."""
 
 import copy
 
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from attnres.distributed import parallelize_tensor
@@ -124,6 +126,22 @@ def _check_optimizer_steps(input_ids) -> None:
     torch.testing.assert_close(curves[1], curves[0], rtol=1e-5, atol=1e-6)
 
 
+def _check_fsdp_by_tp(input_ids) -> None:
+    """2-D: FSDP2 (`fully_shard` over "dp") on the tensor-parallel model (over "tp"), torchtitan's order, on a 1 x 2
+    and a 2 x 1 mesh: each dp rank takes its rows of the batch, and the gradients are the one-process ones."""
+    ref = _model("block")
+    ref(input_ids, labels=input_ids).loss.backward()
+    for shape in ((1, 2), (2, 1)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        model = _model("block")
+        parallelize_tensor(model, mesh["tp"])
+        fully_shard(model, mesh=mesh["dp"])
+        rows = input_ids.chunk(shape[0])[mesh["dp"].get_local_rank()]
+        model(rows, labels=rows).loss.backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[name].grad, msg=name)
+
+
 def tensor_parallel_checks(rank: int) -> dict:
     input_ids = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     results = {}
@@ -141,6 +159,7 @@ def tensor_parallel_checks(rank: int) -> dict:
     torch.testing.assert_close(whole, ref.state_dict())
     _check_optimizer_steps(input_ids[:, :SEQ])
     _check_checkpointing(input_ids[:, :SEQ])
+    _check_fsdp_by_tp(input_ids[:, :SEQ])
     # generate: a sharded prefill, then replicated decode steps on the KV cache
     generated = model.generate(input_ids[:, :SEQ], max_new_tokens=3, do_sample=False)
     torch.testing.assert_close(generated, ref.generate(input_ids[:, :SEQ], max_new_tokens=3, do_sample=False))
