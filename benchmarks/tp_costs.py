@@ -8,6 +8,8 @@ tokens), keeps an unparallelised copy as the one-process baseline, and measures 
 - FLOPs of that prefill, counted with `torch.utils.flop_counter.FlopCounterMode` per module: the attention sublayers
   (`self_attn`: projections and the attention itself), the MLPs, the whole model; ratio to one process. A DTensor op
   is counted on the local shards it runs (the mode steps aside and counts what DTensor dispatches);
+- bytes a training step holds: parameters (local shards) and what autograd saves for backward
+  (`saved_tensors_hooks`);
 - bytes communicated by this rank per decoder layer (collective payloads: the full tensor of an all-gather, the input
   of a reduce-scatter or all-reduce), forward of the prefill and forward + backward of a training step, counted by a
   dispatch mode on the collectives and attributed to a layer with `ModTracker`; against the expected all-gather and
@@ -112,6 +114,30 @@ def prefill(model, input_ids) -> tuple[int, dict[str, int]]:
     return state.stream.bank.nbytes, counted
 
 
+def step_memory(model, input_ids) -> dict:
+    """Bytes this rank holds for a training step: its parameters (local shards), and the unique non-parameter
+    storages autograd saves for backward (`saved_tensors_hooks`; a DTensor counts its local tensor), in all and in
+    tensors whose last dimension is the vocabulary (logits, log-softmax: whole on every rank)."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    params = {t.untyped_storage().data_ptr() for t in local}
+    saved: dict[int, tuple[int, bool]] = {}
+    vocab = model.config.vocab_size
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+        if storage.data_ptr() not in params:
+            saved.setdefault(storage.data_ptr(), (storage.nbytes(), tensor.shape[-1:] == (vocab,)))
+        return tensor
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(input_ids, labels=input_ids).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return {"parameters": sum(t.nbytes for t in local), "saved_for_backward": sum(n for n, _ in saved.values()),
+            "saved_vocab_rows": sum(n for n, is_vocab in saved.values() if is_vocab)}
+
+
 def comm_per_layer(model, input_ids, world_size: int) -> dict:
     tracker = ModTracker()
     with tracker, CommBytes(tracker, world_size) as comm:
@@ -141,7 +167,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "tp_costs.json"))
@@ -158,28 +184,32 @@ def main() -> None:
     bank_one, flops_one = prefill(one, input_ids)
     bank_tp, flops_tp = prefill(model, input_ids)
     estimate = residual_cost(tokens, args.layers, args.block_size, args.hidden, dtype="fp32", ranks=world)
+    memory_one, memory_tp = step_memory(one, input_ids), step_memory(model, input_ids)
     comm = comm_per_layer(model, input_ids, world)
     row_bytes = tokens * args.hidden * DTYPE_BYTES["fp32"]  # one [B, T, d] activation
     layer = one.model.layers[0]
     replicated_grad_bytes = sum(p.nbytes for p in layer.parameters() if p.dim() == 1 or p.shape[0] == 1)
     result = {
         "command": f"torchrun --nproc-per-node {world} benchmarks/tp_costs.py " + " ".join(sys.argv[1:]),
-        "config": vars(args) | {"ranks": world, "residual": "block", "dtype": "fp32", "family": "llama"},
+        "config": {k: v for k, v in vars(args).items() if k != "out"} | {"ranks": world, "residual": "block", "dtype": "fp32", "family": "llama"},
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "rank": rank,
         "bank_bytes": {"one_process": bank_one, "per_rank": bank_tp, "estimate": estimate.bank_bytes,
                        "estimate_per_rank": estimate.bank_bytes_per_rank, "ratio": bank_tp / bank_one},
         "prefill_flops": {kind: {"one_process": flops_one[kind], "per_rank": flops_tp[kind],
                                  "ratio": flops_tp[kind] / flops_one[kind]} for kind in flops_one},
+        "train_step_bytes": {kind: {"one_process": memory_one[kind], "per_rank": memory_tp[kind],
+                                    "ratio": memory_tp[kind] / memory_one[kind]} for kind in memory_one},
         "comm_bytes_per_layer": comm,
         "expected_comm_bytes_per_layer": {
             "forward": {"all_gather_into_tensor": 2 * row_bytes, "reduce_scatter_tensor": 2 * row_bytes},
             "backward": {"all_gather_into_tensor": 2 * row_bytes, "reduce_scatter_tensor": 2 * row_bytes,
-                         "all_reduce": replicated_grad_bytes},
+                         "allreduce_": replicated_grad_bytes},
             "note": "one [B, T, d] all-gather into and one reduce-scatter out of each of the layer's 2 sublayers; "
                     "backward: the same, reversed, plus the all-reduce of the gradients of the layer's replicated "
-                    "parameters (pseudo-queries, key gains, PreNorm gains) and, once, the all-gather that gives the "
-                    "embedding its tokens' gradient back (1/L of a row per layer on average)",
+                    "parameters (pseudo-queries, key gains, PreNorm gains); counted inside the layers too, once a step "
+                    "and so 1/L a layer here: the final read's point's gradients, and the all-gather that gives the "
+                    "embedding its tokens' gradient back",
         },
     }
     gathered = [None] * world
@@ -187,7 +217,7 @@ def main() -> None:
     if rank == 0:
         text = json.dumps({"ranks": gathered}, indent=1)
         atomic_write_text(args.out, text + "\n")
-        print(json.dumps({k: gathered[0][k] for k in ("bank_bytes", "prefill_flops")}, indent=1))
+        print(json.dumps({k: gathered[0][k] for k in ("bank_bytes", "prefill_flops", "train_step_bytes")}, indent=1))
         print(json.dumps(gathered[0]["comm_bytes_per_layer"], indent=1))
     dist.destroy_process_group()
 
