@@ -82,9 +82,9 @@ class CommBytes(TorchDispatchMode):
 
 def build(args) -> AttnResForCausalLM:
     config = AttnResConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.heads // 2, max_position_embeddings=args.tokens,
-        residual="block", attn_res_block_size=args.block_size,
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads // 2,
+        max_position_embeddings=args.tokens, residual="block", attn_res_block_size=args.block_size,
     )
     torch.manual_seed(0)
     model = AttnResForCausalLM(config)
@@ -107,7 +107,8 @@ def prefill(model, input_ids) -> tuple[int, dict[str, int]]:
     def total(pattern: str) -> int:
         return sum(sum(ops.values()) for name, ops in counts.items() if re.fullmatch(pattern, name))
 
-    kinds = {"attention": r".*\.layers\.\d+\.self_attn", "attention_projections": r".*\.layers\.\d+\.self_attn\.\w+_proj",
+    attention = r".*\.layers\.\d+\.self_attn"
+    kinds = {"attention": attention, "attention_projections": attention + r"\.\w+_proj",
              "mlp": r".*\.layers\.\d+\.mlp", "model": "Global"}
     counted = {kind: total(pattern) for kind, pattern in kinds.items()}
     counted["attention_scores_and_values"] = counted["attention"] - counted.pop("attention_projections")
@@ -156,8 +157,10 @@ def _per_layer(counted: dict, num_layers: int) -> dict:
     alike), and what the embedding, final norm and head exchange."""
     out: dict = {"per_layer": {}, "outside_layers": {}}
     for (where, phase, op), nbytes in sorted(counted.items()):
-        inside = where == "layers"
-        out["per_layer" if inside else "outside_layers"].setdefault(phase, {})[op] = nbytes / num_layers if inside else nbytes
+        if where == "layers":
+            out["per_layer"].setdefault(phase, {})[op] = nbytes / num_layers
+        else:
+            out["outside_layers"].setdefault(phase, {})[op] = nbytes
     return out
 
 
@@ -191,7 +194,8 @@ def main() -> None:
     replicated_grad_bytes = sum(p.nbytes for p in layer.parameters() if p.dim() == 1 or p.shape[0] == 1)
     result = {
         "command": f"torchrun --nproc-per-node {world} benchmarks/tp_costs.py " + " ".join(sys.argv[1:]),
-        "config": {k: v for k, v in vars(args).items() if k != "out"} | {"ranks": world, "residual": "block", "dtype": "fp32", "family": "llama"},
+        "config": {k: v for k, v in vars(args).items() if k != "out"}
+        | {"ranks": world, "residual": "block", "dtype": "fp32", "family": "llama"},
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "rank": rank,
         "bank_bytes": {"one_process": bank_one, "per_rank": bank_tp, "estimate": estimate.bank_bytes,

@@ -115,9 +115,9 @@ class TensorParallel:
         if checkpointing and in_body and torch.is_grad_enabled():
             raise ValueError(
                 f"model: activation checkpointing recomputes the sublayer bodies in backward, after the forward, and "
-                f"{in_body[0].name!r} of {type(in_body[0].module).__name__} inside a body is a replicated parameter whose "
-                f"local view lasts for the forward only; train this family without gradient checkpointing under tensor "
-                f"parallel"
+                f"{in_body[0].name!r} of {type(in_body[0].module).__name__} inside a body is a replicated parameter "
+                f"whose local view lasts for the forward only; train this family without gradient checkpointing under "
+                f"tensor parallel"
             )
         group = self.mesh.get_group()
         for module, name, partial_grad, _ in self._replicated:
@@ -179,7 +179,9 @@ def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None) -> Tens
     """
     if mesh is None:
         if not dist.is_initialized():
-            raise ValueError("mesh: expected a DeviceMesh or an initialized process group (torchrun, init_process_group)")
+            raise ValueError(
+                "mesh: expected a DeviceMesh or an initialized process group (torchrun, init_process_group)"
+            )
         device_type = next(model.parameters()).device.type
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     if mesh.ndim != 1:
