@@ -97,7 +97,8 @@ def register(sub) -> None:
     dp = p.add_argument_group("distributed (launch with torchrun)")
     dp.add_argument("--parallel", choices=PARALLEL, default=DEFAULTS["parallel"],
                     help="ddp: DistributedDataParallel; fsdp: FSDP2 (fully_shard per decoder layer); pipeline: "
-                    "decoder layers in stages over the ranks (torch.distributed.pipelining). Run under `torchrun "
+                    "decoder layers in stages over the ranks (torch.distributed.pipelining); tp: attention heads and MLP columns "
+                    "split over the ranks, the residual state over the sequence (dense families). Run under `torchrun "
                     "--nproc-per-node N`; --batch-size is the global batch (ddp, fsdp: split over the N ranks); rank 0 "
                     "logs and checkpoints (default: %(default)s)")
     dp.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=DEFAULTS["pp_schedule"],

@@ -1,6 +1,7 @@
 """Distributed training and inference on `torch.distributed`: data parallel and FSDP2 (per decoder layer) training
-(`data_parallel`), pipeline parallel training with cross-stage caching (`pipeline`), and the token-sharded Block bank
-for long prefills (`token_shard`). Training's collectives place their tensors on `collective_device(group)`."""
+(`data_parallel`), pipeline parallel training with cross-stage caching (`pipeline`), and tensor + sequence parallel
+training, prefill and decode with the residual state sharded along the sequence (`tensor_parallel`). Training's
+collectives place their tensors on `collective_device(group)`."""
 
 from attnres.distributed.data_parallel import (
     PARALLEL,
@@ -14,6 +15,7 @@ from attnres.distributed.data_parallel import (
     parallelize,
 )
 from attnres.distributed.pipeline import PipelinePlan, PipelineTrainer, hop_bytes, paper_rows
+from attnres.distributed.tensor_parallel import TensorParallel, parallelize_tensor
 
 __all__ = [
     "PARALLEL",
@@ -21,6 +23,7 @@ __all__ = [
     "PipelineTrainer",
     "RankFailed",
     "Ranks",
+    "TensorParallel",
     "apply_ddp",
     "apply_fsdp",
     "collective_device",
@@ -29,4 +32,5 @@ __all__ = [
     "local_rows",
     "paper_rows",
     "parallelize",
+    "parallelize_tensor",
 ]

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-PARALLEL = ("none", "ddp", "fsdp", "pipeline")
+PARALLEL = ("none", "ddp", "fsdp", "pipeline", "tp")
 DEFAULT_TIMEOUT_S = 300.0
 
 T = TypeVar("T")

@@ -202,7 +202,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
     def _begin(self, input_ids, inputs_embeds, attention_mask, cache, use_cache, output_depth_weights, capture_layers,
                kwargs: dict):
         """Checks and the state of one forward: (cache, use_cache, ForwardState). A caller that wants the stream
-        afterwards (token sharding) passes its own state as `attn_res` in `kwargs`."""
+        afterwards (to read its bank or sources) passes its own state as `attn_res` in `kwargs`."""
         cache = _cache_argument(cache, kwargs)
         if kwargs.get("output_hidden_states"):
             raise ValueError(

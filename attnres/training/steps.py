@@ -5,6 +5,8 @@ Data parallel ("none", "ddp", "fsdp"; `attnres.distributed.data_parallel`): each
 Pipeline ("pipeline"; `attnres.distributed.pipeline`): every rank takes the whole batch, in microbatches, and runs its
 chunks of decoder layers; it holds the gradients and the optimizer state of its chunks' parameters only, and
 receives the others' weights before each evaluation and checkpoint.
+Tensor + sequence parallel ("tp"; `attnres.distributed.tensor_parallel`): every rank takes the whole batch and runs
+its heads and MLP columns, with the residual state sharded along the sequence.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from attnres.distributed.data_parallel import (
     Ranks, checkpoint_state, load_optimizer_state, local_rows, mean_over_ranks, parallelize,
 )
 from attnres.distributed.pipeline import PipelineTrainer, check_pipeline
+from attnres.distributed.tensor_parallel import parallelize_tensor
 from attnres.training.config import TrainConfig
 
 
@@ -75,6 +78,31 @@ class PipelineSteps:
         self.trainer.load_optimizer_state(optimizer, state)
 
 
+class TensorParallelSteps:
+    """"tp": `parallelize_tensor` over all ranks. Parameters are DTensors; checkpoints gather them whole through the
+    same full-state-dict path as FSDP's."""
+
+    def __init__(self, model: nn.Module, config: TrainConfig, ranks: Ranks):
+        self.model = model
+        parallelize_tensor(model)
+
+    def run(self, batch: torch.Tensor, autocast: AbstractContextManager, max_norm: float) -> tuple[float, float]:
+        with autocast:
+            loss = self.model(input_ids=batch, labels=batch).loss  # whole on every rank
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], max_norm)
+        return loss.item(), norm.full_tensor().item()
+
+    def sync_weights(self) -> None:
+        """Every rank holds its shards; a forward gathers what it needs."""
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> tuple[object, dict]:
+        return checkpoint_state(self.model, optimizer, "fsdp")  # DCP gathers DTensor parameters whole, as FSDP's
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        load_optimizer_state(self.model, optimizer, state, "fsdp")
+
+
 def microbatches(config: TrainConfig, ranks: Ranks) -> int:
     """`config.microbatches`, by default one per pipeline stage (ranks x virtual stages)."""
     return config.microbatches or ranks.world_size * config.virtual_stages
@@ -90,5 +118,7 @@ def check_settings(config: TrainConfig, ranks: Ranks) -> None:
         raise ValueError(f"batch_size: expected a multiple of the {count} microbatches, got {config.batch_size}")
 
 
-def training_steps(model: nn.Module, config: TrainConfig, ranks: Ranks) -> DataParallelSteps | PipelineSteps:
-    return (PipelineSteps if config.parallel == "pipeline" else DataParallelSteps)(model, config, ranks)
+def training_steps(model: nn.Module, config: TrainConfig, ranks: Ranks
+                   ) -> DataParallelSteps | PipelineSteps | TensorParallelSteps:
+    kind = {"pipeline": PipelineSteps, "tp": TensorParallelSteps}.get(config.parallel, DataParallelSteps)
+    return kind(model, config, ranks)

@@ -36,6 +36,7 @@ RUNS = {
     "pipeline": dict(parallel="pipeline", pp_schedule="1f1b"),
     "pipeline-interleaved": dict(parallel="pipeline", pp_schedule="interleaved", virtual_stages=2, layers=4,
                                  microbatches=2),
+    "tp": dict(parallel="tp"),
 }
 
 
