@@ -241,9 +241,10 @@ class BlockStream(ResidualStream):
             return False
         if self.two_phase is not None:
             return self.two_phase
-        if not backend_takes_two_phase(row.device.type, row.dtype, row.shape[-1], max(rows, points)):
+        training = torch.is_grad_enabled() and row.requires_grad
+        if not backend_takes_two_phase(row.device.type, row.dtype, row.shape[-1], max(rows, points), training):
             return False
-        return two_phase_pays(rows, points, row.element_size(), training=torch.is_grad_enabled() and row.requires_grad)
+        return two_phase_pays(rows, points, row.element_size(), training=training)
 
     def _score_block(self) -> SoftmaxStats:
         """Phase 1: every point of the block against the completed rows, each row read once."""
@@ -271,12 +272,12 @@ class BlockStream(ResidualStream):
 
 
 @torch.compiler.assume_constant_result  # traced, the first selection would probe (and build) the CPU kernel
-def backend_takes_two_phase(device_type: str, dtype: torch.dtype, d: int, stats_rows: int) -> bool:
-    """False where the backend says two-phase never pays there, or where it has a one-shot kernel but no phase-1
-    kernel for `stats_rows` rows or queries (its kernel beats torch ops)."""
+def backend_takes_two_phase(device_type: str, dtype: torch.dtype, d: int, stats_rows: int, training: bool) -> bool:
+    """False where the backend says two-phase never pays there (in `training`), or where it has a one-shot kernel but
+    no phase-1 kernel for `stats_rows` rows or queries (its kernel beats torch ops)."""
     one_shot = backend_for(device_type, dtype, d)
     phase1 = backend_for(device_type, dtype, d, stats_rows)
-    return one_shot.two_phase_can_pay and not phase1.name == TORCH.name != one_shot.name
+    return (one_shot.two_phase_trains or not training) and not phase1.name == TORCH.name != one_shot.name
 
 
 # The bound two-phase keeps against one-shot, per token and point: two fp32 numbers (a test measures it)

@@ -32,7 +32,7 @@ class Backend:
     merge_bwd: Callable | None = None
     max_d: int | None = None  # widest hidden size the kernels take
     max_rows: int | None = None  # most sources or queries the phase-1 kernels take
-    two_phase_can_pay: bool = True  # False where two-phase measured slower than one-shot reads even when it saves bytes
+    two_phase_trains: bool = True  # False where two-phase training measured slower than one-shot even when it saves bytes
 
 
 TORCH = Backend("torch")
@@ -50,9 +50,10 @@ def _cpu_backend() -> Backend | None:
         "cpu", cpu.cpu_depth_attention_fwd, cpu.cpu_depth_attention_bwd,
         stats_fwd=cpu.cpu_depth_stats_fwd, stats_bwd=cpu.cpu_depth_stats_bwd,
         bank_aggregate=cpu.cpu_bank_aggregate, bank_merge=cpu.cpu_bank_merge,
-        # phase 2 has no CPU kernel: its torch ops cost more than the reads two-phase saves (measured 1.5x slower
-        # than one-shot even where two_phase_pays, 32 layers, block size 4, d=512)
-        two_phase_can_pay=False,
+        # training: phase 2's backward has no CPU kernel, and its torch ops cost more than the reads two-phase saves
+        # (2.6-2.8x one-shot's time in fp32, 32 layers, block size 4, T=1024, d=512: docs/bench_streams*.json).
+        # Inference runs the fused CPU bank_merge and pays where two_phase_pays says (0.61-0.72x fp32, level bf16).
+        two_phase_trains=False,
     )
 
 
