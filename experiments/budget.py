@@ -8,26 +8,32 @@ scratch would (tests/training/test_branch.py), at the cost of the decay steps on
 
     python experiments/budget.py                      # 150/300/600/1200 steps (8x), seeds 0 1 2, both sizes
     python experiments/budget.py --seeds 0 --sizes L6-d64 --budgets 150 300     # a smaller grid
+    python experiments/budget.py --measure-step-time     # Block's step-time ratio per size, for compute-matched gaps
 
 Per budget: the validation loss of every run, the gap (Block minus standard, paired by seed) with its mean, standard
 deviation and 95% t interval, and the compute-matched gap: Block at budget B against standard at the tokens it trains
-in the same time (B times the measured step-time ratio; interpolated in log tokens between standard's budgets, so
-only where that stays inside them). Step times are the sum of the logged training-step times (evaluation and
-checkpoints excluded) on a shared 2-core machine, one thread per run; the runs of both residuals alternate, so load
-drifts hit both. Writes docs/budget.json (after every run) and docs/figures/budget.png.
+in the same time (B times Block's step-time ratio; interpolated in log tokens between standard's budgets, so only
+where that stays inside them). The ratio is measured side by side in one process (`--measure-step-time`, rounds of
+steps of each model in turn), not from the runs' logs: on a shared machine their load differs run to run.
+Writes docs/budget.json (after every run), docs/budget_step_time.json and docs/figures/budget.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
+import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from study import COMMON, Ledger, gap_stats, progress, timed_run, verdict
 
 from attnres.training import TrainConfig
+from attnres.training.checkpoint import atomic_write_text
 from attnres.training.optim import wsd_decay_start
 
 SIZES = {"L6-d64": dict(layers=6, dim=64, heads=4, block_size=2), "L12-d64": dict(layers=12, dim=64, heads=4, block_size=2)}
@@ -74,15 +80,16 @@ def run_seed(args, ledger: Ledger, size: str, residual: str, seed: int) -> None:
         progress(name, record)
 
 
-def summarise(runs: dict) -> list[dict]:
-    """Per (size, budget): each residual's losses by seed, the gap paired by seed, and the compute-matched gap."""
+def summarise(runs: dict, ratios: dict[str, float] | None = None) -> list[dict]:
+    """Per (size, budget): each residual's losses by seed, the gap paired by seed, and, given Block's step-time ratio
+    per size (`ratios`, from `measure_step_time`), the compute-matched gap."""
     rows = []
     for size in sorted({r["size"] for r in runs.values()}):
         mine = [r for r in runs.values() if r["size"] == size]
         by = {(r["residual"], r["seed"], r["budget"]): r for r in mine}
         budgets = sorted({r["budget"] for r in mine})
         seeds = sorted({r["seed"] for r in mine})
-        ratio = time_ratio(mine)
+        ratio = (ratios or {}).get(size)
         for budget in budgets:
             both = [s for s in seeds if ("standard", s, budget) in by and ("block", s, budget) in by]
             gaps = [by["block", s, budget]["val_loss"] - by["standard", s, budget]["val_loss"] for s in both]
@@ -106,11 +113,41 @@ def summarise(runs: dict) -> list[dict]:
     return rows
 
 
-def time_ratio(runs: list[dict]) -> float | None:
-    """Block's training seconds over standard's, summed over every run of both (their step-time ratio)."""
-    seconds = {res: sum(r["train_s"] for r in runs if r["residual"] == res and "branched_at" not in r)
-               for res in ("standard", "block")}
-    return seconds["block"] / seconds["standard"] if seconds["standard"] and seconds["block"] else None
+def measure_step_time(args, size: str, rounds: int, steps: int) -> dict:
+    """Block's training-step time over standard's for `size`, side by side in this process: `rounds` rounds of
+    `steps` steps of each model in turn (the same random batch, AdamW as in training), the median of the rounds'
+    ratios. The runs' own logged step times are not used: they ran beside other jobs whose load changed."""
+    import torch
+
+    from attnres.training.loop import build_model
+    from attnres.training.optim import build_optimizer
+
+    torch.set_num_threads(args.threads)
+    config = config_for(args, size, "standard", 0, max(args.budgets))
+    batch = torch.randint(0, 256, (config.batch_size, config.seq_len))
+    models = {}
+    for residual in ("standard", "block"):
+        model = build_model(dataclasses.replace(config, residual=residual), 256).train()
+        models[residual] = (model, build_optimizer(model, lr=config.lr, weight_decay=config.weight_decay,
+                                                   attn_res_lr_mult=config.attn_res_lr_mult, attn_res_weight_decay=0.0))
+
+    def run(residual: str) -> float:
+        model, optimizer = models[residual]
+        start = time.perf_counter()
+        for _ in range(steps):
+            model(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    run("standard"), run("block")  # warm-up: first calls build and select kernels
+    times = {"standard": [], "block": []}
+    for _ in range(rounds):
+        for residual in times:
+            times[residual].append(run(residual))
+    ratios = [b / s for b, s in zip(times["block"], times["standard"])]
+    return {"ratio": statistics.median(ratios), "ratios": ratios, "seconds": times, "steps_per_round": steps,
+            "threads": args.threads}
 
 
 def interpolate_log(points: list[tuple[int, float]], x: float) -> float | None:
@@ -122,7 +159,7 @@ def interpolate_log(points: list[tuple[int, float]], x: float) -> float | None:
     return points[-1][1] if points and x == points[-1][0] else None
 
 
-def draw(runs: dict, path: Path) -> Path:
+def draw(runs: dict, path: Path, ratios: dict[str, float] | None = None) -> Path:
     """Left: validation loss against tokens, per size and residual (mean over seeds, seeds as dots). Right: the gap
     against tokens with its 95% interval, by tokens and compute-matched."""
     import matplotlib
@@ -130,7 +167,7 @@ def draw(runs: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = summarise(runs)
+    rows = summarise(runs, ratios)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, size in enumerate(sorted({r["size"] for r in rows})):
         mine = [r for r in rows if r["size"] == size]
@@ -178,10 +215,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default="runs/budget", help="run folders (default: %(default)s)")
     p.add_argument("--json", default="docs/budget.json", help="results (default: %(default)s)")
     p.add_argument("--figure", default="docs/figures/budget.png", help="(default: %(default)s)")
+    p.add_argument("--measure-step-time", metavar="JSON", nargs="?", const="docs/budget_step_time.json",
+                   help="only measure Block's step-time ratio per size, side by side in one process, into JSON "
+                   "(default: docs/budget_step_time.json); the compute-matched gaps use it")
     args = p.parse_args(argv)
     if min(args.budgets) <= WARMUP:
         p.error(f"--budgets: expected budgets above the {WARMUP}-step warm-up, got {min(args.budgets)}")
     args.budgets = sorted(set(args.budgets))
+    if args.measure_step_time:
+        measured = {size: measure_step_time(args, size, rounds=7, steps=5) for size in args.sizes}
+        command = shlex.join(["python", "experiments/budget.py", *(sys.argv[1:] if argv is None else argv)])
+        atomic_write_text(Path(args.measure_step_time), json.dumps({"command": command, "sizes": measured}, indent=1))
+        for size, m in measured.items():
+            print(f"{size}: Block step time {m['ratio']:.3f}x standard (rounds {', '.join(f'{r:.2f}' for r in m['ratios'])})")
+        return 0
     setup = {k: v for k, v in config_for(args, args.sizes[0], "standard", 0, max(args.budgets)).to_dict().items()
              if k in ("lr", "warmup", "schedule", "decay_fraction", "min_lr_ratio", "weight_decay", "attn_res_lr_mult",
                       "seq_len", "batch_size", "max_bytes", "eval_batches", "threads")}

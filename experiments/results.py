@@ -51,13 +51,19 @@ def interval(stats: dict) -> str:
     return f"{stats['mean']:+.4f} [{stats['ci95'][0]:+.4f}, {stats['ci95'][1]:+.4f}]"
 
 
+def step_time_ratios() -> dict[str, float] | None:
+    measured = load("budget_step_time")
+    return {size: m["ratio"] for size, m in measured["sizes"].items()} if measured else None
+
+
 def budget_table(data: dict) -> list[str]:
-    lines = ["| model | steps | tokens | seeds | standard | Block | Block - standard [95%] | compute-matched [95%] |",
+    lines = ["| model | steps | tokens | seeds (standard / Block) | standard | Block | Block - standard [95%] | compute-matched [95%] |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for row in budget.summarise(data["runs"]):
+    for row in budget.summarise(data["runs"], step_time_ratios()):
         losses = row["val_loss"]
         lines.append(
-            f"| {row['size']} | {row['budget']} | {row['tokens'] / 1e6:.2f}M | {row['gap']['n']} "
+            f"| {row['size']} | {row['budget']} | {row['tokens'] / 1e6:.2f}M "
+            f"| {len(losses['standard'])} / {len(losses['block'])} "
             f"| {spread(list(losses['standard'].values()))} | {spread(list(losses['block'].values()))} "
             f"| {interval(row['gap'])} | {interval(row['compute_matched_gap'])} |"
         )
@@ -65,7 +71,7 @@ def budget_table(data: dict) -> list[str]:
 
 
 def budget_conclusion(data: dict) -> str:
-    rows = [r for r in budget.summarise(data["runs"]) if r["gap"]["ci95"] is not None]
+    rows = [r for r in budget.summarise(data["runs"], step_time_ratios()) if r["gap"]["ci95"] is not None]
     if not rows:
         return "Too few seeds have finished for an interval."
     below = [r for r in rows if r["gap"]["ci95"][1] < 0]
@@ -92,7 +98,7 @@ def budget_conclusion(data: dict) -> str:
     if matched:
         m_below = sum(r["compute_matched_gap"]["ci95"][1] < 0 for r in matched)
         m_above = sum(r["compute_matched_gap"]["ci95"][0] > 0 for r in matched)
-        parts.append(f"Counting Block's slower steps (measured step-time ratio {', '.join(ratios)} on this shared CPU), "
+        parts.append(f"Counting Block's step time (measured side by side: {', '.join(ratios)} standard's), "
                      f"the compute-matched interval lies below 0 at {m_below} of {len(matched)} cells and above 0 at "
                      f"{m_above}.")
     return " ".join(parts)
@@ -164,7 +170,8 @@ def sections() -> list[tuple[str, list[str]]]:
             f"{data['setup']['attn_res_lr_mult']:g}x; smaller budgets branch their decay from the largest run "
             "(`attnres train --branch-from`). Validation loss in nats per byte (mean ± std over seeds); gaps paired "
             "by seed with a 95% t interval; compute-matched: Block at B steps against standard interpolated at the "
-            "steps it trains in the same time.", "", *budget_table(data), "", budget_conclusion(data), "",
+            "steps it trains in the same time (Block's step-time ratio measured side by side, "
+            f"`{(load('budget_step_time') or {}).get('command', 'not measured yet')}`).", "", *budget_table(data), "", budget_conclusion(data), "",
             "![budget](docs/figures/budget.png)"]))
     if data := load("query_lr"):
         out.append(("Query learning rate", [
@@ -214,7 +221,9 @@ def update_readme(text: str, block: str) -> str:
 
 
 def draw_all() -> None:
-    for name, module in (("budget", budget), ("query_lr", query_lr), ("stability", stability)):
+    if data := load("budget"):
+        budget.draw(data["runs"], ROOT / "docs" / "figures" / "budget.png", step_time_ratios())
+    for name, module in (("query_lr", query_lr), ("stability", stability)):
         if data := load(name):
             module.draw(data["runs"], ROOT / "docs" / "figures" / f"{name}.png")
 

@@ -37,23 +37,22 @@ def test_gap_interval_is_the_t_interval():
     assert verdict(gap_stats([0.01])) == "one seed: no interval" and verdict(gap_stats([])) == "not measured"
 
 
-def fake_budget_runs(ratio: float) -> dict:
-    """Standard's loss falls by 0.1 per doubling of steps; Block is 0.02 lower at every budget, its steps `ratio`
-    times slower."""
+def fake_budget_runs() -> dict:
+    """Standard's loss falls by 0.1 per doubling of steps; Block is 0.02 lower at every budget."""
     runs = {}
     for seed, noise in enumerate((0.0, 0.004, -0.004)):
         for b in (100, 200, 400):
-            for res, shift, seconds in (("standard", 0.0, 1.0), ("block", -0.02, ratio)):
+            for res, shift in (("standard", 0.0), ("block", -0.02)):
                 runs[f"{res}-{seed}-{b}"] = {
                     "size": "L6", "residual": res, "seed": seed, "budget": b, "steps": b, "tokens": b * 2048,
                     "num_params": 1, "val_loss": 3.0 - 0.1 * math.log2(b / 100) + shift + noise,
-                    "train_s": seconds * b, **({} if b == 400 else {"branched_at": b - 20}),
+                    **({} if b == 400 else {"branched_at": b - 20}),
                 }
     return runs
 
 
 def test_budget_gap_and_compute_matched_gap():
-    rows = budget.summarise(fake_budget_runs(ratio=2.0))
+    rows = budget.summarise(fake_budget_runs(), ratios={"L6": 2.0})  # Block's steps twice as slow
     assert [r["budget"] for r in rows] == [100, 200, 400]
     for r in rows:
         assert r["gap"]["mean"] == pytest.approx(-0.02) and r["gap"]["std"] == pytest.approx(0.0, abs=1e-12)
@@ -62,6 +61,7 @@ def test_budget_gap_and_compute_matched_gap():
     assert rows[0]["compute_matched_gap"]["mean"] == pytest.approx(0.08)
     assert rows[1]["compute_matched_gap"]["mean"] == pytest.approx(0.08)
     assert rows[2]["compute_matched_gap"]["n"] == 0  # 800 standard steps were not trained: no extrapolation
+    assert budget.summarise(fake_budget_runs())[0]["compute_matched_gap"]["n"] == 0  # no ratio measured: none
 
 
 def test_compute_matched_interpolates_in_log_steps():
