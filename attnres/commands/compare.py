@@ -70,8 +70,8 @@ def register(sub) -> None:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
     p.add_argument("--attn-res-lr-mult", type=float, default=1.0,
                    help="learning-rate multiplier of the pseudo-queries and key gains. At this short budget 1 did "
-                   "better than 0.1 (docs/results.md); longer runs favour 0.1, the default of `attnres train` "
-                   "(default: %(default)s)")
+                   "better than 0.1 (docs/compare_summary.json against docs/compare_summary_x01.json); longer runs "
+                   "favour 0.1, the default of `attnres train` (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="first seed (default: %(default)s)")
     p.add_argument("--seeds", type=int, default=2,
                    help="seeds per residual: --seed, --seed+1, ... With one, the gaps are judged by the seed spread "
