@@ -166,15 +166,16 @@ def draw(runs: dict, path: Path, ratios: dict[str, float] | None = None) -> Path
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     rows = summarise(runs, ratios)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, size in enumerate(sorted({r["size"] for r in rows})):
         mine = [r for r in rows if r["size"] == size]
         tokens = [r["tokens"] for r in mine]
-        for res, style in (("standard", "-"), ("block", "--")):
+        for res, style, marker in (("standard", "-", "o"), ("block", "--", "s")):
             means = [statistics.mean(r["val_loss"][res].values()) if r["val_loss"][res] else math.nan for r in mine]
-            ax.plot(tokens, means, style, color=f"C{i}", marker="o", label=f"{size} {res}")
+            ax.plot(tokens, means, style, color=f"C{i}", marker=marker, mfc="none", label=f"{size} {res}")
             for t, r in zip(tokens, mine):
                 ax.plot([t] * len(r["val_loss"][res]), list(r["val_loss"][res].values()), ".", color=f"C{i}", alpha=0.4)
         for key, marker, shift in (("gap", "o", 1.0), ("compute_matched_gap", "s", 1.04)):
@@ -189,6 +190,7 @@ def draw(runs: dict, path: Path, ratios: dict[str, float] | None = None) -> Path
                         label=f"{size}, {'by tokens' if key == 'gap' else 'compute-matched'}")
     for a in (ax, bx):
         a.set_xscale("log")
+        a.xaxis.set_minor_formatter(NullFormatter())  # the minor labels of a short log axis overlap
         a.set_xlabel("training tokens")
         a.grid(alpha=0.3)
     ax.set_ylabel("validation loss (nats per byte)")

@@ -69,6 +69,7 @@ def draw(runs: dict, path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     warmups = sorted({r["warmup"] for r in runs.values()})
     fig, axes = plt.subplots(1, len(warmups), figsize=(4.6 * len(warmups), 3.9), sharey=True, squeeze=False)
@@ -86,6 +87,7 @@ def draw(runs: dict, path: Path) -> Path:
                 if outcome(r) == "diverged":
                     ax.plot(r["lr"], top, "x", color=f"C{i}", ms=9, mew=2)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels of a short log axis overlap
         ax.set_xlabel("peak learning rate")
         ax.set_title(f"warm-up {warmup} steps", fontsize=10)
         ax.grid(alpha=0.3)
