@@ -328,17 +328,20 @@ def test_public_stats_route_to_kernel_and_match_twin(dtype, monkeypatch):
         assert_close_rel(a, e, TOL[a.dtype], name)  # both compute in fp32 from the same inputs
 
 
-def test_block_streams_read_one_shot_on_cpu(monkeypatch):
-    """With the kernel, two-phase costs more than it saves on CPU (its phase 2 runs as torch ops), so a block stream
-    reads one-shot even where the bytes model says two-phase pays; on the torch path the bytes model decides."""
+def test_block_streams_train_one_shot_on_cpu(monkeypatch):
+    """With the kernel, two-phase training costs more than it saves on CPU (its phase 2's backward runs as torch ops),
+    so a block stream trains one-shot even where the bytes model says two-phase pays; at inference (the fused
+    bank_merge) and on the torch path the bytes model decides."""
     L, d, rows, points = 8, 16, 8, 9
     stream = make_stream("block", torch.randn(3, d), L, [DepthAttention(d) for _ in range(2 * L + 1)], block_size=4)
-    row = torch.randn(3, d)
+    row, trained_row = torch.randn(3, d), torch.randn(3, d, requires_grad=True)
     assert two_phase_pays(rows, points, row.element_size())
+    assert two_phase_pays(rows, points, row.element_size(), training=True)
     monkeypatch.setenv(backends.BACKEND_ENV, "auto")
-    assert not stream._use_two_phase(row, rows, points)
-    monkeypatch.setenv(backends.BACKEND_ENV, "torch")
+    assert not stream._use_two_phase(trained_row, rows, points)
     assert stream._use_two_phase(row, rows, points)
+    monkeypatch.setenv(backends.BACKEND_ENV, "torch")
+    assert stream._use_two_phase(trained_row, rows, points)
 
 
 def test_disable_switch(monkeypatch):
