@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from attnres.bench.models import build_models, decode_step, prefill
+from attnres.bench.models import add_model_args, build_models, decode_step, prefill
 from attnres.bench.timing import median_times
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -26,10 +26,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dim", type=int, default=512, help="hidden size d (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=8, help="decoder layers (default: %(default)s)")
-    p.add_argument("--heads", type=int, default=8, help="attention heads (default: %(default)s)")
-    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default: %(default)s)")
+    add_model_args(p)
     p.add_argument("--block-size", type=int, default=2,
                    help="Block AttnRes block size in decoder layers (default: %(default)s, i.e. 4 blocks of 8 layers)")
     p.add_argument("--prefill-tokens", type=int, default=2048, help="prefill length T (default: %(default)s)")

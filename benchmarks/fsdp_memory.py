@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
+from attnres.bench.models import add_model_args  # noqa: E402
 from attnres.training.checkpoint import atomic_write_text  # noqa: E402
 
 MIB = 2**20
@@ -44,10 +45,7 @@ RANKS = 2
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dim", type=int, default=512, help="hidden size d (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=8, help="decoder layers (default: %(default)s)")
-    p.add_argument("--heads", type=int, default=8, help="attention heads (default: %(default)s)")
-    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default: %(default)s)")
+    add_model_args(p)
     p.add_argument("--tokens", type=int, default=64, help="sequence length T (default: %(default)s)")
     p.add_argument("--batch", type=int, default=2, help="global batch, sequences (default: %(default)s)")
     p.add_argument("--out", type=Path, default=Path("docs/fsdp_memory.json"), help="(default: %(default)s)")

@@ -162,9 +162,7 @@ def interpolate_log(points: list[tuple[int, float]], x: float) -> float | None:
 def draw(runs: dict, path: Path, ratios: dict[str, float] | None = None) -> Path:
     """Left: validation loss against tokens, per size and residual (mean over seeds, seeds as dots). Right: the gap
     against tokens with its 95% interval, by tokens and compute-matched."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    from attnres.analysis.plots import save_figure  # first: it selects the file-only backend
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
@@ -199,12 +197,7 @@ def draw(runs: dict, path: Path, ratios: dict[str, float] | None = None) -> Path
     bx.set_ylabel("Block minus standard (nats/byte)")
     bx.legend(fontsize=7)
     fig.suptitle("Budget: WSD runs with decays branched at each budget (docs/budget.json)", fontsize=10)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

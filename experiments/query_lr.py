@@ -59,9 +59,7 @@ def summarise(runs: dict) -> list[dict]:
 
 def draw(runs: dict, path: Path) -> Path:
     """Block minus standard (95% interval) against the multiplier."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    from attnres.analysis.plots import save_figure  # first: it selects the file-only backend
     import matplotlib.pyplot as plt
 
     rows = [r for r in summarise(runs) if r["gap"]["n"]]
@@ -79,12 +77,7 @@ def draw(runs: dict, path: Path) -> Path:
     ax.set_ylabel("Block minus standard (nats/byte)")
     ax.set_title(f"{SIZE}, {BUDGET} WSD steps: gap by query lr (95% interval)", fontsize=9)
     ax.grid(alpha=0.3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,9 +65,7 @@ def summarise(runs: dict) -> list[dict]:
 def draw(runs: dict, path: Path) -> Path:
     """One panel per warm-up: final validation loss against peak lr, one line per residual; a diverged run is an x at
     the top of the panel, a stuck one a hollow marker."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    from attnres.analysis.plots import save_figure  # first: it selects the file-only backend
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
@@ -94,12 +92,7 @@ def draw(runs: dict, path: Path) -> Path:
     axes[0][0].set_ylabel("final validation loss (nats per byte)")
     axes[0][0].legend(fontsize=8, title=f"x: diverged, hollow: never below {PLATEAU[1]}", title_fontsize=7)
     fig.suptitle("Stability: 6 layers, d=96, 200 steps (docs/stability.json)", fontsize=10)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

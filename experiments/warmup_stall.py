@@ -28,6 +28,20 @@ from attnres.training import TrainConfig, train
 from attnres.training.checkpoint import atomic_write_text
 from attnres.training.logs import read_log
 
+
+def run_name(residual: str, warmup: int, lr: float, seed: int) -> str:
+    return f"{residual}-w{warmup}-lr{lr:g}-s{seed}"
+
+
+def config_for(args, residual: str, warmup: int, lr: float, seed: int) -> TrainConfig:
+    return TrainConfig(
+        data="stdlib", max_bytes=4 * 2**20, steps=args.steps, layers=6, dim=96, block_size=2, seq_len=128,
+        batch_size=16, lr=lr, warmup=warmup, attn_res_lr_mult=1.0, seed=seed, eval_interval=args.eval_interval,
+        checkpoint_interval=args.steps, residual=residual, threads=args.threads, progress=False, overwrite=True,
+        out=str(Path(args.runs) / run_name(residual, warmup, lr, seed)),
+    )
+
+
 def run_one(args, residual: str, warmup: int, lr: float, seed: int) -> dict:
     config = config_for(args, residual, warmup, lr, seed)
     wall, cpu = time.perf_counter(), time.process_time()
@@ -82,9 +96,7 @@ def markdown(runs: dict) -> str:
 
 def draw(runs: dict, path: Path) -> Path:
     """Validation loss against step, one panel per warm-up (and lr), standard and Block in each, one line per seed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    from attnres.analysis.plots import save_figure  # first: it selects the file-only backend
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["lr"], r["warmup"]) for r in runs.values()})
@@ -106,12 +118,7 @@ def draw(runs: dict, path: Path) -> Path:
     axes[0][0].legend(fontsize=7)
     fig.suptitle("6 layers, d=96, 300 steps of 16 x 128 bytes: validation loss by warm-up (dotted: end of warm-up)",
                  fontsize=10)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

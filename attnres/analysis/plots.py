@@ -16,7 +16,8 @@ import torch  # noqa: E402
 from attnres.analysis.profile import DepthProfile, depth_weight_matrix  # noqa: E402
 
 
-def _save(fig, path: str | Path) -> Path:
+def save_figure(fig, path: str | Path) -> Path:
+    """Write `fig` to `path` (PNG) atomically and close it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.png")
@@ -42,7 +43,7 @@ def plot_loss_curves(curves: Mapping[str, Mapping[str, Sequence[tuple[int, float
     ax.set_title("Training and validation loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_depth_weights(name: str, profile: DepthProfile, path: str | Path) -> Path:
@@ -60,7 +61,7 @@ def plot_depth_weights(name: str, profile: DepthProfile, path: str | Path) -> Pa
         ax.set_title(title)
     fig.colorbar(im, ax=axes, shrink=0.8, label="mean depth weight")
     fig.suptitle(f"{name}: depth-attention weights")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_layer_curves(profiles: Mapping[str, DepthProfile], path: str | Path) -> Path:
@@ -81,7 +82,7 @@ def plot_layer_curves(profiles: Mapping[str, DepthProfile], path: str | Path) ->
         ax.set_yscale("log" if _spans_decades(profiles, field) else "linear")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _spans_decades(profiles: Mapping[str, DepthProfile], field: str) -> bool:

@@ -17,6 +17,14 @@ from attnres.ops import depth_attention
 KINDS = ("standard", "block", "full")
 
 
+def add_model_args(parser) -> None:
+    """The model-shape flags the benchmark scripts share (d=512, 8 layers, 8 heads, vocabulary 32000 by default)."""
+    parser.add_argument("--dim", type=int, default=512, help="hidden size d (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers (default: %(default)s)")
+    parser.add_argument("--heads", type=int, default=8, help="attention heads (default: %(default)s)")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default: %(default)s)")
+
+
 def build_models(
     *, dim: int, layers: int, heads: int, vocab: int, block_size: int, max_tokens: int, seed: int = 0,
     kinds: tuple[str, ...] = KINDS,

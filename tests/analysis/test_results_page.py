@@ -1,6 +1,7 @@
 """The results page and the README's results section are what experiments/results.py makes of the committed JSON,
 and the studies' statistics are right on data whose answer is known."""
 
+import argparse
 import math
 import sys
 from pathlib import Path
@@ -13,6 +14,8 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import budget  # noqa: E402
 import query_lr  # noqa: E402
 import results  # noqa: E402
+import stability  # noqa: E402
+import warmup_stall  # noqa: E402
 from study import gap_stats, verdict  # noqa: E402
 
 
@@ -78,3 +81,19 @@ def test_query_lr_conclusion_keeps_an_unresolved_default():
                                       "val_loss": loss + 0.001 * seed}
     text = results.query_lr_conclusion({"runs": runs})
     assert text.startswith("1 has the lowest mean loss") and "The default stays 0.1" in text
+
+
+@pytest.mark.parametrize("module", [budget, stability, query_lr, warmup_stall, results])
+def test_every_study_script_parses_its_command_line(module, capsys):
+    with pytest.raises(SystemExit) as done:
+        module.main(["--help"])
+    assert done.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_every_study_builds_its_run_configs(tmp_path):
+    """The settings each study trains with are valid `TrainConfig`s (what a rerun of its command starts from)."""
+    args = argparse.Namespace(attn_res_lr_mult=0.1, threads=1, runs=str(tmp_path), budgets=[150, 300], steps=200,
+                              eval_interval=20)
+    assert budget.config_for(args, "L12-d64", "block", 0, 300).layers == 12
+    assert stability.config_for(args, "full", 1e-2, 20, 0).lr == 1e-2
+    assert warmup_stall.config_for(args, "standard", 30, 3e-3, 1).warmup == 30
