@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                       "seq_len", "batch_size", "max_bytes", "eval_batches", "threads")}
     ledger = Ledger(args.json, "validation loss (nats/byte) of standard and Block AttnRes by budget, size and seed; "
                     "WSD decays branched from one run per (size, residual, seed)",
-                    {**setup, "sizes": SIZES, "budgets": args.budgets}, "experiments/budget.py", argv, summarise)
+                    {**setup, "sizes": SIZES, "budgets": args.budgets}, "experiments/budget.py", p, argv, summarise)
     for seed in args.seeds:  # seed by seed: every size and budget gets its first seeds first
         for size in args.sizes:
             for residual in ("standard", "block"):

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args.budgets = [BUDGET]
     ledger = Ledger(args.json, "final validation loss (nats/byte) of Block AttnRes by the learning-rate multiplier of "
                     "its pseudo-queries and key gains, and of standard (the budget study's runs)",
-                    {"size": SIZE, "budget": BUDGET, **budget.SIZES[SIZE]}, "experiments/query_lr.py", argv, summarise)
+                    {"size": SIZE, "budget": BUDGET, **budget.SIZES[SIZE]}, "experiments/query_lr.py", p, argv, summarise)
     def refresh() -> None:  # the budget study may be running beside this one
         ledger.runs.update(baseline_runs(Path(args.budget_json)))
 

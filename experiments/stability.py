@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                       "attn_res_lr_mult", "seq_len", "batch_size", "max_bytes", "eval_batches", "threads")}
     ledger = Ledger(args.json, "final validation loss (nats/byte) and curve by peak lr, warm-up and residual",
                     {**setup, "plateau_band": PLATEAU},
-                    "experiments/stability.py", argv, summarise)
+                    "experiments/stability.py", p, argv, summarise)
     for seed in args.seeds:
         for warmup in args.warmups:
             for lr in args.lrs:

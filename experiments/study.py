@@ -6,6 +6,7 @@ it measured and a rerun of the same command skips the runs already in it.
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
 import math
@@ -35,15 +36,17 @@ T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 
 
 class Ledger:
-    """The runs of one study, kept in a JSON file beside what describes them (`what`, `setup`, `command`)."""
+    """The runs of one study, kept in a JSON file beside what describes them (`what`, `setup`, `command`: the one
+    command that reproduces them all) and the commands that ran parts of it (`invocations`)."""
 
-    def __init__(self, path: str | Path, what: str, setup: dict, script: str, argv: list[str] | None,
-                 summarise: Callable[[dict], object]):
+    def __init__(self, path: str | Path, what: str, setup: dict, script: str, parser: argparse.ArgumentParser,
+                 argv: list[str] | None, summarise: Callable[[dict], object]):
         self.path = Path(path)
         saved = json.loads(self.path.read_text(encoding="utf-8")) if self.path.is_file() else {}
         self.runs: dict[str, dict] = saved.get("runs", {})
-        self.head = {"what": what, "setup": setup,
-                     "command": shlex.join(["python", script, *(sys.argv[1:] if argv is None else argv)])}
+        argv = sys.argv[1:] if argv is None else argv
+        self.head = {"what": what, "setup": setup, "command": study_command(script, parser, argv)}
+        self.invocation = shlex.join(["python", script, *argv])
         self.summarise = summarise
 
     def __contains__(self, name: str) -> bool:
@@ -59,11 +62,26 @@ class Ledger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path.with_name(self.path.name + ".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if self.path.is_file():
-                saved = json.loads(self.path.read_text(encoding="utf-8")).get("runs", {})
-                self.runs = {**saved, **self.runs}
-            data = {**self.head, "runs": self.runs, "summary": self.summarise(self.runs)}
+            saved = json.loads(self.path.read_text(encoding="utf-8")) if self.path.is_file() else {}
+            self.runs = {**saved.get("runs", {}), **self.runs}
+            data = {**self.head, "invocations": sorted({*saved.get("invocations", []), self.invocation}),
+                    "runs": self.runs, "summary": self.summarise(self.runs)}
             atomic_write_text(self.path, json.dumps(data, indent=1) + "\n")
+
+
+def study_command(script: str, parser: argparse.ArgumentParser, argv: list[str]) -> str:
+    """The command that reproduces a whole ledger: `script` with the options of `argv` that change what is measured.
+    An option whose list is part of its default (`--seeds 1`, `--sizes L12-d64`) only picked part of the grid, and
+    the script without it completes the grid, skipping the runs already there: it is left out."""
+    given, defaults = vars(parser.parse_args(argv)), vars(parser.parse_args([]))
+    words = ["python", script]
+    for dest, value in given.items():
+        default = defaults[dest]
+        if value == default or (isinstance(value, list) and isinstance(default, list) and set(value) <= set(default)):
+            continue
+        flag = "--" + dest.replace("_", "-")
+        words += [flag] if value is True else [flag, *map(str, value if isinstance(value, list) else [value])]
+    return shlex.join(words)
 
 
 def timed_run(config: TrainConfig) -> dict:

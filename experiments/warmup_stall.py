@@ -15,18 +15,13 @@ docs/figures/warmup_stall.png; docs/warmup_stall.md states what the data shows.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
-from study import LEARNED, PLATEAU, plateau_steps, steps_to
+from study import LEARNED, PLATEAU, Ledger, plateau_steps, steps_to, timed_run
 
-from attnres.training import TrainConfig, train
-from attnres.training.checkpoint import atomic_write_text
-from attnres.training.logs import read_log
+from attnres.training import TrainConfig
 
 
 def run_name(residual: str, warmup: int, lr: float, seed: int) -> str:
@@ -42,20 +37,6 @@ def config_for(args, residual: str, warmup: int, lr: float, seed: int) -> TrainC
     )
 
 
-def run_one(args, residual: str, warmup: int, lr: float, seed: int) -> dict:
-    config = config_for(args, residual, warmup, lr, seed)
-    wall, cpu = time.perf_counter(), time.process_time()
-    result = train(config)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    curve = [(r["step"], r["val_loss"]) for r in read_log(result.run_dir, "eval")]
-    return {
-        "residual": residual, "warmup": warmup, "lr": lr, "seed": seed, "steps": result.steps,
-        "val_loss": result.final_val_loss, "train_loss": result.final_train_loss, "num_params": result.num_params,
-        "tokens_per_s": result.tokens_per_s, "wall_s": wall, "cpu_s": cpu, "val_curve": curve,
-        "steps_to_learned": steps_to(curve, LEARNED),
-    }
-
-
 def summarise(runs: dict) -> list[dict]:
     """Per (residual, warm-up, lr): final validation loss over seeds, the step each seed first got below `LEARNED`
     and the steps it spent in the `PLATEAU` band."""
@@ -69,7 +50,7 @@ def summarise(runs: dict) -> list[dict]:
             "residual": residual, "warmup": warmup, "lr": lr, "seeds": sorted(r["seed"] for r in rs),
             "val_losses": losses, "mean": statistics.mean(losses),
             "std": statistics.stdev(losses) if len(losses) > 1 else None,
-            "steps_to_learned": [r["steps_to_learned"] for r in sorted(rs, key=lambda r: r["seed"])],
+            "steps_to_learned": [steps_to(r["val_curve"], LEARNED) for r in sorted(rs, key=lambda r: r["seed"])],
             "plateau_steps": [plateau_steps(r["val_curve"]) for r in sorted(rs, key=lambda r: r["seed"])],
         })
     return rows
@@ -135,43 +116,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--figure", default="docs/figures/warmup_stall.png", help="(default: %(default)s)")
     args = p.parse_args(argv)
 
-    path = Path(args.json)
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    runs = data.get("runs", {})
-    command = shlex.join(["python", "experiments/warmup_stall.py", *(argv if argv is not None else sys.argv[1:])])
-
-    def save() -> None:
-        data = {
-            "what": "attnres compare's model and data; final validation loss (nats/byte) and its curve by warm-up, "
-                    "residual and seed",
-            "setup": {k: v for k, v in config_for(args, "standard", 0, args.lrs[0], 0).to_dict().items()
-                      if k in ("layers", "dim", "block_size", "seq_len", "batch_size", "steps", "schedule",
-                               "min_lr_ratio", "weight_decay", "attn_res_lr_mult", "max_bytes", "eval_batches",
-                               "threads")},
-            "learned_threshold": LEARNED,
-            "plateau_band": PLATEAU,
-            "command": command,
-            "runs": runs,
-            "summary": summarise(runs),
-        }
-        atomic_write_text(path, json.dumps(data, indent=1))
-        draw(runs, Path(args.figure))
-
+    setup = {k: v for k, v in config_for(args, "standard", 0, args.lrs[0], 0).to_dict().items()
+             if k in ("layers", "dim", "block_size", "seq_len", "batch_size", "steps", "schedule", "min_lr_ratio",
+                      "weight_decay", "attn_res_lr_mult", "max_bytes", "eval_batches", "threads")}
+    ledger = Ledger(args.json, "attnres compare's model and data; final validation loss (nats/byte) and its curve by "
+                    "warm-up, residual and seed", {**setup, "learned_threshold": LEARNED, "plateau_band": PLATEAU},
+                    "experiments/warmup_stall.py", p, argv, summarise)
     # seed by seed, so the first seed of every setting lands first; the baseline first within a seed
     for seed in args.seeds:
         for lr in args.lrs:
             for residual in args.residuals:
                 for warmup in args.warmups:
                     name = run_name(residual, warmup, lr, seed)
-                    if name in runs:
+                    if name in ledger:
                         continue
-                    runs[name] = run_one(args, residual, warmup, lr, seed)
-                    r = runs[name]
-                    print(f"{name}: val {r['val_loss']:.4f}, below {LEARNED} at step {r['steps_to_learned']}, "
-                          f"{r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s cpu", flush=True)
-                    save()  # each finished run survives an interruption
-    save()
-    print(markdown(runs))
+                    record = timed_run(config_for(args, residual, warmup, lr, seed))
+                    ledger.add(name, {"residual": residual, "warmup": warmup, "lr": lr, "seed": seed, **record})
+                    print(f"{name}: val {record['val_loss']:.4f}, below {LEARNED} at step "
+                          f"{steps_to(record['val_curve'], LEARNED)}, {record['wall_s']:.0f} s wall", flush=True)
+                    draw(ledger.runs, Path(args.figure))
+    ledger.save()
+    draw(ledger.runs, Path(args.figure))
+    print(markdown(ledger.runs))
     return 0
 
 

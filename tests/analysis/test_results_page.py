@@ -2,6 +2,7 @@
 and the studies' statistics are right on data whose answer is known."""
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import query_lr  # noqa: E402
 import results  # noqa: E402
 import stability  # noqa: E402
 import warmup_stall  # noqa: E402
-from study import gap_stats, verdict  # noqa: E402
+from study import Ledger, gap_stats, study_command, verdict  # noqa: E402
 
 
 def test_readme_results_section_is_generated_from_the_committed_json():
@@ -38,6 +39,37 @@ def test_gap_interval_is_the_t_interval():
     assert verdict(stats) == "AttnRes lower (95% interval below 0)"
     assert verdict(gap_stats([-0.03, 0.01, -0.02])) == "no measurable difference (95% interval spans 0)"
     assert verdict(gap_stats([0.01])) == "one seed: no interval" and verdict(gap_stats([])) == "not measured"
+
+
+def study_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--mult", type=float, default=0.1)
+    p.add_argument("--flag", action="store_true")
+    return p
+
+
+def test_study_command_drops_only_options_that_pick_part_of_the_grid():
+    p = study_parser()
+    assert study_command("s.py", p, []) == "python s.py"
+    assert study_command("s.py", p, ["--seeds", "2", "0"]) == "python s.py"  # a part: the bare command completes it
+    assert study_command("s.py", p, ["--seeds", "0", "5"]) == "python s.py --seeds 0 5"  # seed 5 is not in it
+    assert study_command("s.py", p, ["--mult", "0.3", "--flag"]) == "python s.py --mult 0.3 --flag"
+
+
+def test_ledgers_of_parts_run_side_by_side_merge(tmp_path):
+    """Two processes of one study (e.g. one seed each) each add their runs; the file keeps both, the command that
+    reproduces the whole, and both invocations."""
+    path, p = tmp_path / "study.json", study_parser()
+    first = Ledger(path, "w", {}, "s.py", p, ["--seeds", "0"], summarise=lambda runs: sorted(runs))
+    second = Ledger(path, "w", {}, "s.py", p, ["--seeds", "1"], summarise=lambda runs: sorted(runs))
+    first.add("a", {"val_loss": 1.0})
+    second.add("b", {"val_loss": 2.0})
+    data = json.loads(path.read_text())
+    assert data["runs"] == {"a": {"val_loss": 1.0}, "b": {"val_loss": 2.0}} and data["summary"] == ["a", "b"]
+    assert data["command"] == "python s.py"
+    assert data["invocations"] == ["python s.py --seeds 0", "python s.py --seeds 1"]
+    assert "a" in Ledger(path, "w", {}, "s.py", p, [], summarise=sorted)  # a rerun skips what is there
 
 
 def fake_budget_runs() -> dict:
