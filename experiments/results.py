@@ -3,7 +3,8 @@
     python experiments/results.py            # writes docs/results.md, redraws the figures, updates README.md
 
 Reads docs/budget.json, docs/query_lr.json, docs/stability.json and docs/warmup_stall.json (written by the scripts of
-the same names); every number on the page and in the README section is computed here from those files, and so is
+the same names) and docs/compare_summary*.json (`attnres compare`'s summaries, at the query lr multipliers 1 and 0.1);
+every number on the page and in the README section is computed here from those files, and so is
 every conclusion (tests/analysis/test_results_page.py checks that the committed page and README match them).
 """
 
@@ -20,6 +21,7 @@ import query_lr
 import stability
 from study import gap_stats, verdict
 
+from attnres.commands import compare as compare_command
 from attnres.training.checkpoint import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,6 +163,71 @@ def stability_conclusion(data: dict) -> str:
             "about 0.05 nats/byte (the seed spread in docs/warmup_stall.json) are noise.")
 
 
+def compare_losses(data: dict, baseline: dict | None = None) -> dict[str, dict[int, float]]:
+    """Per residual, the final validation loss by seed of a committed `attnres compare` summary. One without a
+    standard run takes `baseline`'s, which must have trained the same settings: the query lr multiplier, the only
+    difference allowed, does not touch the standard model."""
+    losses = {res: {s["seed"]: s["val_loss"] for s in run["seeds"]} for res, run in data["runs"].items()}
+    if "standard" not in losses and baseline is not None:
+        def settings(config: dict) -> dict:
+            return {k: v for k, v in config.items() if k not in ("attn_res_lr_mult", "residual", "out", "threads")}
+        if settings(data["config"]) != settings(baseline["config"]):
+            raise ValueError("a compare summary without a standard run: expected its baseline's settings but the "
+                             "query lr multiplier")
+        losses["standard"] = compare_losses(baseline)["standard"]
+    return losses
+
+
+def paired(losses: dict[str, dict], residual: str) -> dict:
+    """The gap of `residual` to standard, paired by key (seed, or warm-up and seed)."""
+    mine, base = losses.get(residual, {}), losses["standard"]
+    return gap_stats([mine[k] - base[k] for k in sorted(base) if k in mine])
+
+
+def short_budget_rows() -> list[tuple[str, str, dict, dict]]:
+    """(query lr multiplier, source, Block's gap, Full's gap) at `attnres compare`'s settings."""
+    rows = []
+    if stall := load("warmup_stall"):
+        losses: dict[str, dict] = {}
+        for r in stall["runs"].values():
+            if r["warmup"] >= compare_command.WARMUP:  # the warm-ups that do not stall PreNorm
+                losses.setdefault(r["residual"], {})[r["warmup"], r["seed"]] = r["val_loss"]
+        rows.append((f"{stall['setup']['attn_res_lr_mult']:g}", "docs/warmup_stall.json, warm-ups "
+                     f"{min(w for w, _ in losses['standard'])}-{max(w for w, _ in losses['standard'])}",
+                     paired(losses, "block"), paired(losses, "full") if "full" in losses else gap_stats([])))
+    if main := load("compare_summary"):
+        for name, data in (("compare_summary", main), ("compare_summary_x01", load("compare_summary_x01"))):
+            if data is None:
+                continue
+            losses = compare_losses(data, baseline=main)
+            rows.append((f"{data['config']['attn_res_lr_mult']:g}", f"docs/{name}.json",
+                         paired(losses, "block"), paired(losses, "full")))
+    return rows
+
+
+def short_budget_table(rows: list) -> list[str]:
+    lines = ["| query lr multiplier | runs | pairs | Block - standard [95%] | Full - standard [95%] |",
+             "| --- | --- | --- | --- | --- |"]
+    for mult, source, block, full in rows:
+        lines.append(f"| {mult} | {source} | {block['n']} | {interval(block)} | {interval(full)} |")
+    return lines
+
+
+def short_budget_conclusion(rows: list) -> str:
+    resolved, spans = [], []
+    for mult, source, block, full in rows:
+        for residual, stats in (("Block", block), ("Full", full)):
+            if stats["ci95"] is None:
+                continue
+            where = f"{residual} at {mult}x ({source.split(',')[0]}, {stats['n']} pairs)"
+            if stats["ci95"][0] > 0 or stats["ci95"][1] < 0:
+                resolved.append(f"{where}: {verdict(stats)}")
+            else:
+                spans.append(where)
+    return ("The 95% interval excludes 0 for " + ("; ".join(resolved) if resolved else "none of them") + ". "
+            + ("It spans 0 for " + ", ".join(spans) + "." if spans else ""))
+
+
 def sections() -> list[tuple[str, list[str]]]:
     """(title, lines) of every study with results; the README and the page share them."""
     out = []
@@ -173,6 +240,12 @@ def sections() -> list[tuple[str, list[str]]]:
             "steps it trains in the same time (Block's step-time ratio measured side by side, "
             f"`{(load('budget_step_time') or {}).get('command', 'not measured yet')}`).", "", *budget_table(data), "", budget_conclusion(data), "",
             "![budget](docs/figures/budget.png)"]))
+    if rows := short_budget_rows():
+        out.append(("Short budget: `attnres compare`'s setting", [
+            f"300 cosine steps after a {compare_command.WARMUP}-step warm-up or longer, 6 layers, d=96, block size 2, "
+            "peak lr 3e-3 (`python experiments/warmup_stall.py`, `attnres compare`). Gaps in nats per byte, paired by "
+            "seed (and by warm-up where several are pooled), with a 95% t interval.", "", *short_budget_table(rows),
+            "", short_budget_conclusion(rows)]))
     if data := load("query_lr"):
         out.append(("Query learning rate", [
             f"`{data['command']}`: Block AttnRes at {data['setup']['size']}, {data['setup']['budget']} WSD steps "
@@ -193,7 +266,8 @@ def readme_block() -> str:
     for title, body in sections():
         lines += [f"### {title}", "", *body, ""]
     lines += [PAPER, "", "[docs/results.md](docs/results.md) has the same tables with the warm-up study; "
-              "the raw figures are in docs/budget.json, docs/query_lr.json and docs/stability.json.", "", END]
+              "the raw figures are in docs/budget.json, docs/query_lr.json, docs/stability.json, docs/warmup_stall.json and "
+              "docs/compare_summary*.json.", "", END]
     return "\n".join(lines)
 
 

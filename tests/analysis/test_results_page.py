@@ -115,6 +115,20 @@ def test_query_lr_conclusion_keeps_an_unresolved_default():
     assert text.startswith("1 has the lowest mean loss") and "The default stays 0.1" in text
 
 
+def test_short_budget_pairs_a_summary_without_baseline_with_its_baseline_only_if_settings_agree():
+    def summary(mult, losses, lr=3e-3):
+        return {"config": {"attn_res_lr_mult": mult, "lr": lr, "residual": "block", "out": "x"},
+                "runs": {res: {"seeds": [{"seed": s, "val_loss": v} for s, v in enumerate(vs)]}
+                         for res, vs in losses.items()}}
+    main = summary(1.0, {"standard": [2.0, 2.2], "block": [1.9, 2.0]})
+    other = summary(0.1, {"block": [2.1, 2.1]})
+    losses = results.compare_losses(other, baseline=main)
+    assert losses == {"block": {0: 2.1, 1: 2.1}, "standard": {0: 2.0, 1: 2.2}}
+    assert results.paired(losses, "block")["gaps"] == pytest.approx([0.1, -0.1])
+    with pytest.raises(ValueError, match="query lr multiplier"):
+        results.compare_losses(summary(0.1, {"block": [2.1, 2.1]}, lr=1e-3), baseline=main)
+
+
 @pytest.mark.parametrize("module", [budget, stability, query_lr, warmup_stall, results])
 def test_every_study_script_parses_its_command_line(module, capsys):
     with pytest.raises(SystemExit) as done:
