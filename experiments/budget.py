@@ -38,6 +38,7 @@ from attnres.training.optim import wsd_decay_start
 
 SIZES = {"L6-d64": dict(layers=6, dim=64, heads=4, block_size=2), "L12-d64": dict(layers=12, dim=64, heads=4, block_size=2)}
 WARMUP, DECAY = 100, 0.2
+STEP_TIME_JSON = "docs/budget_step_time.json"
 
 
 def run_name(size: str, residual: str, seed: int, budget: int) -> str:
@@ -150,6 +151,13 @@ def measure_step_time(args, size: str, rounds: int, steps: int) -> dict:
             "threads": args.threads}
 
 
+def step_time_ratios(path: str | Path = STEP_TIME_JSON) -> dict[str, float] | None:
+    """Block's measured step-time ratio per size (`--measure-step-time`'s file; None before it is measured)."""
+    path = Path(path)
+    return ({size: m["ratio"] for size, m in json.loads(path.read_text(encoding="utf-8"))["sizes"].items()}
+            if path.is_file() else None)
+
+
 def interpolate_log(points: list[tuple[int, float]], x: float) -> float | None:
     """The loss at `x` steps, linear in log(steps) between the two budgets around it (None outside them)."""
     for (x0, y0), (x1, y1) in zip(points, points[1:]):
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default="runs/budget", help="run folders (default: %(default)s)")
     p.add_argument("--json", default="docs/budget.json", help="results (default: %(default)s)")
     p.add_argument("--figure", default="docs/figures/budget.png", help="(default: %(default)s)")
-    p.add_argument("--measure-step-time", metavar="JSON", nargs="?", const="docs/budget_step_time.json",
+    p.add_argument("--measure-step-time", metavar="JSON", nargs="?", const=STEP_TIME_JSON,
                    help="only measure Block's step-time ratio per size, side by side in one process, into JSON "
                    "(default: docs/budget_step_time.json); the compute-matched gaps use it")
     args = p.parse_args(argv)
@@ -229,14 +237,15 @@ def main(argv: list[str] | None = None) -> int:
                       "seq_len", "batch_size", "max_bytes", "eval_batches", "threads")}
     ledger = Ledger(args.json, "validation loss (nats/byte) of standard and Block AttnRes by budget, size and seed; "
                     "WSD decays branched from one run per (size, residual, seed)",
-                    {**setup, "sizes": SIZES, "budgets": args.budgets}, "experiments/budget.py", p, argv, summarise)
+                    {**setup, "sizes": SIZES, "budgets": args.budgets}, "experiments/budget.py", p, argv,
+                    lambda runs: summarise(runs, step_time_ratios()))
     for seed in args.seeds:  # seed by seed: every size and budget gets its first seeds first
         for size in args.sizes:
             for residual in ("standard", "block"):
                 run_seed(args, ledger, size, residual, seed)
-                draw(ledger.runs, Path(args.figure))
+                draw(ledger.runs, Path(args.figure), step_time_ratios())
     ledger.save()
-    for row in summarise(ledger.runs):
+    for row in summarise(ledger.runs, step_time_ratios()):
         g = row["gap"]
         print(f"{row['size']} {row['budget']} steps: gap {g['mean']:+.4f} (n={g['n']}), {row['verdict']}")
     return 0

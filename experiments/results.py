@@ -54,8 +54,7 @@ def interval(stats: dict) -> str:
 
 
 def step_time_ratios() -> dict[str, float] | None:
-    measured = load("budget_step_time")
-    return {size: m["ratio"] for size, m in measured["sizes"].items()} if measured else None
+    return budget.step_time_ratios(ROOT / budget.STEP_TIME_JSON)
 
 
 def budget_table(data: dict) -> list[str]:
