@@ -112,7 +112,8 @@ def load_summary(folder: str | Path) -> dict:
 def draw(folder: str | Path) -> list[Path]:
     """(Re)draw every picture of a comparison folder from its summary and run logs."""
     folder = Path(folder)
-    runs = load_summary(folder)["runs"]
+    summary = load_summary(folder)
+    runs = summary["runs"]
     curves = {
         name: {
             "train": [(r["step"], r["loss"]) for r in read_log(folder / name, "train")],
@@ -121,7 +122,8 @@ def draw(folder: str | Path) -> list[Path]:
         for name in runs
     }
     profiles = {name: profile_from_json(run["profile"]) for name, run in runs.items()}
-    paths = [plot_loss_curves(curves, folder / "loss.png"), plot_layer_curves(profiles, folder / "layers.png")]
+    unit = "byte" if summary["config"].get("tokenizer") == "bytes" else "token"
+    paths = [plot_loss_curves(curves, folder / "loss.png", unit), plot_layer_curves(profiles, folder / "layers.png")]
     for name, prof in profiles.items():
         if prof.weights:
             paths.append(plot_depth_weights(name, prof, folder / f"depth_weights_{name}.png"))
