@@ -235,17 +235,18 @@ def main(argv: list[str] | None = None) -> int:
     setup = {k: v for k, v in config_for(args, args.sizes[0], "standard", 0, max(args.budgets)).to_dict().items()
              if k in ("lr", "warmup", "schedule", "decay_fraction", "min_lr_ratio", "weight_decay", "attn_res_lr_mult",
                       "seq_len", "batch_size", "max_bytes", "eval_batches", "threads")}
+    ratios = step_time_ratios()
     ledger = Ledger(args.json, "validation loss (nats/byte) of standard and Block AttnRes by budget, size and seed; "
                     "WSD decays branched from one run per (size, residual, seed)",
                     {**setup, "sizes": SIZES, "budgets": args.budgets}, "experiments/budget.py", p, argv,
-                    lambda runs: summarise(runs, step_time_ratios()))
+                    lambda runs: summarise(runs, ratios))
     for seed in args.seeds:  # seed by seed: every size and budget gets its first seeds first
         for size in args.sizes:
             for residual in ("standard", "block"):
                 run_seed(args, ledger, size, residual, seed)
-                draw(ledger.runs, Path(args.figure), step_time_ratios())
+                draw(ledger.runs, Path(args.figure), ratios)
     ledger.save()
-    for row in summarise(ledger.runs, step_time_ratios()):
+    for row in summarise(ledger.runs, ratios):
         g = row["gap"]
         print(f"{row['size']} {row['budget']} steps: gap {g['mean']:+.4f} (n={g['n']}), {row['verdict']}")
     return 0

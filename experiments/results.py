@@ -21,6 +21,7 @@ import query_lr
 import stability
 from study import gap_stats, verdict
 
+from attnres.analysis.report import seed_losses
 from attnres.commands import compare as compare_command
 from attnres.training.checkpoint import atomic_write_text
 
@@ -166,10 +167,10 @@ def compare_losses(data: dict, baseline: dict | None = None) -> dict[str, dict[i
     """Per residual, the final validation loss by seed of a committed `attnres compare` summary. One without a
     standard run takes `baseline`'s, which must have trained the same settings: the query lr multiplier, the only
     difference allowed, does not touch the standard model."""
-    losses = {res: {s["seed"]: s["val_loss"] for s in run["seeds"]} for res, run in data["runs"].items()}
+    losses = {res: dict(zip(data["seeds"], values)) for res, values in seed_losses(data).items()}
     if "standard" not in losses and baseline is not None:
         def settings(config: dict) -> dict:
-            return {k: v for k, v in config.items() if k not in ("attn_res_lr_mult", "residual", "out", "threads")}
+            return {k: v for k, v in config.items() if k not in ("attn_res_lr_mult", "residual", "out")}
         if settings(data["config"]) != settings(baseline["config"]):
             raise ValueError("a compare summary without a standard run: expected its baseline's settings but the "
                              "query lr multiplier")
@@ -232,17 +233,20 @@ def sections() -> list[tuple[str, list[str]]]:
     out = []
     if data := load("budget"):
         out.append(("Budget: the gap against tokens and against time", [
-            f"`{data['command']}`: WSD, 100 warm-up steps, peak lr 3e-3, the AttnRes parameters at "
+            f"`{data['command']}`: {data['setup']['schedule'].upper()}, {data['setup']['warmup']} warm-up steps, peak lr "
+            f"{data['setup']['lr']:g}, the AttnRes parameters at "
             f"{data['setup']['attn_res_lr_mult']:g}x; smaller budgets branch their decay from the largest run "
             "(`attnres train --branch-from`). Validation loss in nats per byte (mean ± std over seeds); gaps paired "
             "by seed with a 95% t interval; compute-matched: Block at B steps against standard interpolated at the "
             "steps it trains in the same time (Block's step-time ratio measured side by side, "
             f"`{(load('budget_step_time') or {}).get('command', 'not measured yet')}`).", "", *budget_table(data), "", budget_conclusion(data), "",
             "![budget](docs/figures/budget.png)"]))
-    if rows := short_budget_rows():
+    if (rows := short_budget_rows()) and (stall := load("warmup_stall")) and (compare := load("compare_summary")):
+        setup = stall["setup"]
         out.append(("Short budget: `attnres compare`'s setting", [
-            f"300 cosine steps after a {compare_command.WARMUP}-step warm-up or longer, 6 layers, d=96, block size 2, "
-            "peak lr 3e-3 (`python experiments/warmup_stall.py`, `attnres compare`). Gaps in nats per byte, paired by "
+            f"{setup['steps']} {setup['schedule']} steps after a {compare_command.WARMUP}-step warm-up or longer, "
+            f"{setup['layers']} layers, d={setup['dim']}, block size {setup['block_size']}, peak lr "
+            f"{compare['config']['lr']:g} (`{stall['command']}`, `attnres compare`). Gaps in nats per byte, paired by "
             "seed (and by warm-up where several are pooled), with a 95% t interval.", "", *short_budget_table(rows),
             "", short_budget_conclusion(rows)]))
     if data := load("query_lr"):

@@ -28,9 +28,9 @@ def save_figure(fig, path: str | Path) -> Path:
 
 
 def plot_loss_curves(curves: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]], path: str | Path,
-                     unit: str = "token") -> Path:
-    """`curves[run] = {"train": [(step, loss)], "val": [(step, loss)]}`: one line per run and split; the loss is in
-    nats per `unit` (a byte for the byte tokenizer)."""
+                     unit: str = "nats/token") -> Path:
+    """`curves[run] = {"train": [(step, loss)], "val": [(step, loss)]}`: one line per run and split, the loss in
+    `unit` (`report.loss_unit`)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (name, splits) in enumerate(curves.items()):
         color = f"C{i}"
@@ -41,7 +41,7 @@ def plot_loss_curves(curves: Mapping[str, Mapping[str, Sequence[tuple[int, float
                 alpha = 0.35 if split == "train" else 1.0
                 ax.plot(steps, losses, style, color=color, alpha=alpha, label=f"{name} ({split})", markersize=3)
     ax.set_xlabel("step")
-    ax.set_ylabel(f"loss (nats per {unit})")
+    ax.set_ylabel(f"loss ({unit})")
     ax.set_title("Training and validation loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

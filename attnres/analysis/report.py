@@ -70,7 +70,7 @@ def compare(base: TrainConfig, residuals: list[str], out: str | Path, profile_si
     if noise_std is not None:
         summary["noise"] = {"std": noise_std, "source": noise_source or "given"}
     summary["verdict"] = judge(seed_losses(summary), noise_std=noise_std, noise_source=noise_source,
-                               budget=budget_text(summary), unit=loss_unit(base))
+                               budget=budget_text(summary), unit=loss_unit(base.tokenizer))
     atomic_write_text(out / SUMMARY, json.dumps(summary, indent=1))
     draw(out)
     return summary
@@ -122,7 +122,7 @@ def draw(folder: str | Path) -> list[Path]:
         for name in runs
     }
     profiles = {name: profile_from_json(run["profile"]) for name, run in runs.items()}
-    unit = "byte" if summary["config"].get("tokenizer") == "bytes" else "token"
+    unit = loss_unit(summary["config"]["tokenizer"])
     paths = [plot_loss_curves(curves, folder / "loss.png", unit), plot_layer_curves(profiles, folder / "layers.png")]
     for name, prof in profiles.items():
         if prof.weights:
@@ -136,8 +136,8 @@ def seed_losses(summary: dict) -> dict[str, list[float]]:
             for name, r in summary["runs"].items()}
 
 
-def loss_unit(config: TrainConfig) -> str:
-    return "nats/byte" if config.tokenizer == "bytes" else "nats/token"
+def loss_unit(tokenizer: str) -> str:
+    return "nats/byte" if tokenizer == "bytes" else "nats/token"
 
 
 def budget_text(summary: dict) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from attnres.analysis.report import SUMMARY, compare, format_table, judge, pooled_seed_std
+from attnres.analysis.report import SUMMARY, compare, format_table, judge, pooled_seed_std, seed_losses
 from attnres.cli import main
 from attnres.commands import compare as compare_command
 from attnres.training import TrainConfig
@@ -161,3 +161,10 @@ def test_readme_quick_start_table_is_the_committed_compare_run():
     assert table in readme
     assert " ".join(summary["verdict"]["line"].split()) in " ".join(readme.split())  # wrapped in the README
     assert summary["config"]["warmup"] == compare_command.WARMUP and summary["seeds"] == [0, 1]
+    # the same job at torch's default thread count, from a fresh clone, as the README quotes it
+    default = json.loads((ROOT / "docs" / "compare_summary_default_threads.json").read_text())
+    assert {k: default["config"][k] for k in summary["config"]} == {**summary["config"], "threads": None}
+    quoted = ", ".join(f"{name} {default['runs'][kind]['val_loss']:.4f} against {summary['runs'][kind]['val_loss']:.4f}"
+                       for name, kind in (("Block", "block"), ("Full", "full")))
+    assert f"standard identical, {quoted};" in " ".join(readme.split())
+    assert seed_losses(default)["standard"] == seed_losses(summary)["standard"]

@@ -117,7 +117,7 @@ def test_query_lr_conclusion_keeps_an_unresolved_default():
 
 def test_short_budget_pairs_a_summary_without_baseline_with_its_baseline_only_if_settings_agree():
     def summary(mult, losses, lr=3e-3):
-        return {"config": {"attn_res_lr_mult": mult, "lr": lr, "residual": "block", "out": "x"},
+        return {"config": {"attn_res_lr_mult": mult, "lr": lr, "residual": "block", "out": "x"}, "seeds": [0, 1],
                 "runs": {res: {"seeds": [{"seed": s, "val_loss": v} for s, v in enumerate(vs)]}
                          for res, vs in losses.items()}}
     main = summary(1.0, {"standard": [2.0, 2.2], "block": [1.9, 2.0]})
