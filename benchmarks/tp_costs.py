@@ -100,8 +100,7 @@ def prefill(model, input_ids) -> tuple[int, dict[str, int]]:
     with torch.no_grad():
         model(input_ids)  # warm-up: DTensor's first call of an op runs its sharding propagation on the global shapes
     with torch.no_grad(), FlopCounterMode(display=False) as flops, LocalShards():
-        state = model.forward_state()  # no gradient: the fused bank path, one [tokens, NB, d] bank
-        model(input_ids, attn_res=state)
+        model(input_ids)  # no gradient: the fused bank path, one [tokens, NB, d] bank
     counts = flops.get_flop_counts()
 
     def total(pattern: str) -> int:

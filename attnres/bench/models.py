@@ -78,7 +78,9 @@ def fast_norms(model: AttnResForCausalLM) -> int:
     fused norms as AttnRes does (issue 13: the unfused Python norm made ratios below 1 partly the baseline's fault).
     Returns the number of norms replaced."""
     model.plan_layers()
-    classes = {side.norm_class for layer in model.model.layers for side in layer.sides if side.fused_eps is not None}
+    classes = {
+        type(getattr(layer, side.norm)) for layer in model.model.layers for side in layer.sides if side.fused_eps is not None
+    }
     count = 0
     for module in model.modules():
         if type(module) in classes:

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from attnres.layers.streams import ResidualState
 from attnres.distributed.data_parallel import (
     RankFailed, collective, collective_device, is_collective_error, lost_rank_message,
 )
@@ -192,23 +193,26 @@ class PipelineChunk(nn.Module):
         self.microbatch = 0  # the next forward's microbatch: a chunk sees them in order
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """The family's own base-model forward (embedding, rotary embeddings, causal mask, final norm), running only
-        this chunk's decoder layers: the others pass their input through untouched."""
+        """This chunk's decoder layers on the state the previous chunk sent, with the keyword arguments (masks, rotary
+        embeddings) the family's own base model hands them; the last chunk makes the final read, the final norm and
+        the head."""
         key = (self.index, self.microbatch)
         self.microbatch += 1
         model = self._model[0]
         layers = self.plan.layers(self.index)
         if self.is_first:
-            state = model.forward_state(stop=layers.stop)
-            out = model.model(input_ids=inputs[0], use_cache=False, attn_res=state)
+            layer_inputs = model.layer_inputs(input_ids=inputs[0])
+            state = layer_inputs[0][0]  # the family's embedding
         else:
             rows, head = self._unpack(inputs, key)
-            state = model.forward_state(start=layers.start, stop=layers.stop, resume_from=(rows, head))
+            state = ResidualState(rows=tuple(rows), head=head)
             ref = head if head is not None else rows[0]  # stands in for the embedding the family computes first
-            out = model.model(inputs_embeds=ref, use_cache=False, attn_res=state)
+            layer_inputs = model.layer_inputs(inputs_embeds=ref)
+        for i in layers:
+            state = model.model.layers[i](state, **layer_inputs[i][1])
         if self.is_last:
-            return self.lm_head(out.last_hidden_state)
-        return self._pack(*state.stream.state(), key)
+            return self.lm_head(self.norm(model.final_read(state)))
+        return self._pack(list(state.rows), state.head, key)
 
     def _unpack(self, inputs: tuple[torch.Tensor, ...], key: tuple[int, int]):
         head = inputs[-1] if self.plan.head_rows else None

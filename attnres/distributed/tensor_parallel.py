@@ -174,7 +174,7 @@ def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None) -> Tens
 
     Every rank passes the same model (same weights, e.g. the same seed or checkpoint) and then runs the same forwards
     on the same inputs; outputs (logits, loss, `last_hidden_state`) are whole on every rank, while the residual state
-    of a forward (`forward_state().stream`, `captured_hidden_states`, `depth_mixtures`) holds this rank's
+    of a forward (`residual_state`, `captured_hidden_states`, `depth_mixtures`) holds this rank's
     `local_tokens(T)` only. Returns the `TensorParallel` handle.
     """
     if mesh is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from attnres.layers.streams import BlockStream
+from attnres.layers.streams import BlockStream, ResidualState
 from attnres.ops.backends import select_backend
 from attnres.ops.bank import bank_aggregate, bank_aggregate_op, bank_merge, bank_merge_op, bank_rows
 from attnres.ops.depth_attention import accumulator_dtype, flat_tokens
@@ -30,18 +30,23 @@ MIN_TWO_PHASE_TOKENS = 256
 class BankStream(BlockStream):
     def __init__(self, embedding, num_layers, points, block_size, rescale_mixture=False, two_phase=None):
         super().__init__(embedding, num_layers, points, block_size, rescale_mixture, two_phase)
-        self.shape = embedding.shape
+        self.pending: torch.Tensor | None = None
+        self._phase1_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._phase1_end = -1  # the point after the scored group, where the next group of the block is scored
+        if embedding is None:  # resumed: `_resume` takes the bank and prefix from the state
+            return
         x = flat_tokens(embedding)
-        self.acc = accumulator_dtype(x.dtype)
+        self._bind(x, embedding.shape)
         self.bank = x.new_empty(x.shape[0], self.num_bank_rows, x.shape[1])
         self.nvb = 0
         self.prefix = x  # never written in place: layer 0's point only copies it into bank row 0
         # the prefix of every later block: the fused ops add into it in place, so it is the stream's own buffer, never
         # a sublayer's output (which hooks, drafters or a CUDA graph may still hold)
         self._prefix_buffer = torch.empty_like(x)
-        self.pending: torch.Tensor | None = None
-        self._phase1_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._phase1_end = -1  # the point after the scored group, where the next group of the block is scored
+
+    def _bind(self, x: torch.Tensor, shape: torch.Size) -> None:
+        self.shape = shape
+        self.acc = accumulator_dtype(x.dtype)
         # a stream's device and dtype never change: bind the backend's fused ops once, not at every point (at decode
         # the lookup costs about as much as the fused op itself); traced, the registered custom ops, which dispatch
         # inside (a traced backend selection would probe, and build, the CPU kernel)
@@ -51,6 +56,18 @@ class BankStream(BlockStream):
             backend = select_backend(x)
             self._aggregate = backend.bank_aggregate or bank_aggregate
             self._merge = backend.bank_merge or bank_merge
+
+    def _state(self):
+        # between layers the prefix is the stream's own buffer (the first point after layer 0's write fills it)
+        return ResidualState(rows=(self.bank,), head=self.prefix.view(self.shape), pending=self.pending)
+
+    def _resume(self, state):
+        (self.bank,), head, self.pending = state.rows, state.head, state.pending
+        self.prefix = self._prefix_buffer = flat_tokens(head)
+        self._bind(self.prefix, head.shape)
+        self.nvb = -(-self.layer // self.block_size)  # one row per write layer before this one
+        if self.nvb and not self._is_write_point() and not self.is_final:
+            self._score_group(self._block_points())
 
     def _read(self, norm):
         # a with block, not the decorator: dynamo cannot trace the decorator's closure (a bound method)

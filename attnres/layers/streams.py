@@ -9,6 +9,10 @@ and at the end `h = stream.read(model.norm)`. Each read is the next aggregation 
 side of layer 0, MLP side of layer 0, ..., then the final read); the stream returns the sublayer's normed input
 (or, with no norm, the pre-norm mixture `h`). Switching residual kind is the one argument of `make_stream`.
 
+A stream can also run part of a forward: `stream.state()` between two decoder layers is a `ResidualState` of tensors,
+and `resume_stream` continues from one at any layer with only that layer's points. That is how a decoder layer takes
+its state and returns the new one (DESIGN section 14).
+
 Schedules (DESIGN section 4; `points` holds the 2L + 1 aggregation points in schedule order):
 - standard: h = v_0 + ... + v_{l-1}.
 - full: point l attends over [v_0 .. v_{l-1}].
@@ -19,7 +23,8 @@ Schedules (DESIGN section 4; `points` holds the 2L + 1 aggregation points in sch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +36,21 @@ from attnres.ops.two_phase import SoftmaxStats
 RESIDUAL_KINDS = ("standard", "full", "block")
 
 
+class ResidualState(NamedTuple):
+    """The residual state between two decoder layers (DESIGN section 14): what layer i hands layer i + 1.
+
+    rows: Block: the completed block summaries (the bank: a tuple of `[..., d]` rows; at inference one `[tokens, NB,
+        d]` tensor, filled in place); Full: every source so far; standard: none.
+    head: standard: the residual sum; Block: the current block's partial sum (the prefix); Full: None.
+    pending: Block at inference (the fused bank path, and only there): the last sublayer output, which the next
+        point's fused kernel adds into the prefix.
+    """
+
+    rows: tuple[torch.Tensor, ...] = ()
+    head: torch.Tensor | None = None
+    pending: torch.Tensor | None = None
+
+
 class ResidualStream:
     """What every stream shares: the schedule position, the fused PreNorm and the mixture rescale."""
 
@@ -40,7 +60,7 @@ class ResidualStream:
         self.num_layers = num_layers
         self.rescale_mixture = rescale_mixture
         self.point = 0  # index of the next aggregation point: 2 * layer + (0 attention | 1 MLP), 2L the final read
-        self.stop_layer = num_layers  # this stream runs the layers before it (a pipeline stage stops at its last)
+        self.end_point = 2 * num_layers + 1  # the points this stream may read (one layer's, for a resumed stream)
         self._pending_write = False
         # when recording, each read keeps its depth weights `[R, ...]` and its pre-norm mixture `[..., d]` (analysis)
         self.record = False
@@ -71,27 +91,26 @@ class ResidualStream:
         self._pending_write = False
         self._write(output)
 
-    def state(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """(rows, head) between two decoder layers: what the next layers read, each `[..., d]`.
-
-        Block: the bank and the prefix (the residual add is never pending here: a write adds at once); Full: the
-        sources and None; standard: no rows and the residual sum. Pipeline stages send it to the next stage.
-        """
+    def state(self) -> ResidualState:
+        """The `ResidualState` between two decoder layers: what the next layers read (and pipeline stages send)."""
         if self._pending_write or self.point % 2:
             raise RuntimeError("state: a stream has a state only between decoder layers")
         return self._state()
 
-    def resume(self, layer: int, rows: list[torch.Tensor], head: torch.Tensor | None) -> None:
-        """Continue at decoder `layer` from the `state()` of a stream that ran layers 0 .. layer-1 (pipeline stages)."""
-        if self.point != 0 or not 0 <= layer <= self.num_layers:
-            raise ValueError(f"layer: expected a fresh stream and 0 <= layer <= {self.num_layers}, got {layer}")
+    def resume(self, layer: int, state: ResidualState, end_point: int | None = None) -> None:
+        """Continue at decoder `layer` (`num_layers`: the final read) from the `state()` of a stream that ran layers
+        0 .. layer-1, reading points up to `end_point` (exclusive; default: to the end of the forward)."""
+        if self.point != 0 or not 0 < layer <= self.num_layers:
+            raise ValueError(f"layer: expected a fresh stream and 0 < layer <= {self.num_layers}, got {layer}")
         self.point = 2 * layer
-        self._resume(list(rows), head)
+        if end_point is not None:
+            self.end_point = end_point
+        self._resume(state)
 
-    def _state(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    def _state(self) -> ResidualState:
         raise NotImplementedError
 
-    def _resume(self, rows: list[torch.Tensor], head: torch.Tensor | None) -> None:
+    def _resume(self, state: ResidualState) -> None:
         raise NotImplementedError
 
     def _out_eps(self, norm: RMSNorm | None, num_sources: int) -> float | None:
@@ -123,7 +142,7 @@ class ResidualStream:
 class StandardStream(ResidualStream):
     """The PreNorm baseline: the running sum of the embedding and every sublayer output."""
 
-    def __init__(self, embedding: torch.Tensor, num_layers: int):
+    def __init__(self, embedding: torch.Tensor | None, num_layers: int):
         super().__init__(num_layers)
         self.hidden = embedding
 
@@ -136,10 +155,10 @@ class StandardStream(ResidualStream):
         self.hidden = self.hidden + output
 
     def _state(self):
-        return [], self.hidden
+        return ResidualState(head=self.hidden)
 
-    def _resume(self, rows, head):
-        self.hidden = head
+    def _resume(self, state):
+        self.hidden = state.head
 
 
 class FullStream(ResidualStream):
@@ -158,10 +177,10 @@ class FullStream(ResidualStream):
         self.sources.append(output)
 
     def _state(self):
-        return list(self.sources), None
+        return ResidualState(rows=tuple(self.sources))
 
-    def _resume(self, rows, head):
-        self.sources = rows
+    def _resume(self, state):
+        self.sources = list(state.rows)
 
 
 class BlockStream(ResidualStream):
@@ -199,9 +218,11 @@ class BlockStream(ResidualStream):
         return -(-self.num_layers // self.block_size)
 
     def _block_points(self) -> range:
-        """This and the later aggregation points of the current block: they share the bank as it stands."""
-        end = min((self.layer // self.block_size + 1) * self.block_size, self.stop_layer)
-        return range(self.point, 2 * end if end < self.num_layers else 2 * self.num_layers + 1)
+        """This and the later aggregation points of the current block that this stream reads: they share the bank as
+        it stands."""
+        end = (self.layer // self.block_size + 1) * self.block_size
+        end_point = 2 * end if end < self.num_layers else 2 * self.num_layers + 1
+        return range(self.point, min(end_point, self.end_point))
 
     def _is_write_point(self) -> bool:
         """The attention-side read of a write layer (layer % block_size == 0)."""
@@ -226,10 +247,10 @@ class BlockStream(ResidualStream):
         self.prefix = output if self.prefix is None else self.prefix + output
 
     def _state(self):
-        return list(self.bank), self.prefix
+        return ResidualState(rows=tuple(self.bank), head=self.prefix)
 
-    def _resume(self, rows, head):
-        self.bank, self.prefix = rows, head
+    def _resume(self, state):
+        self.bank, self.prefix = list(state.rows), state.head
         # resumed inside a block: phase 1 for the block's remaining points (at a write point the read scores it)
         if self.bank and not self._is_write_point() and not self.is_final:
             if self._use_two_phase(self.bank[0], len(self.bank), len(self._block_points())):
@@ -318,7 +339,9 @@ def held_bytes_per_token(rows: int, points: int, two_phase: bool) -> int:
     return 8 * points * (rows + 1)
 
 
-def _check_points(points: Sequence[DepthAttention] | None, num_layers: int) -> None:
+def _check_points(points: Sequence[DepthAttention] | Mapping[int, DepthAttention] | None, num_layers: int) -> None:
+    if isinstance(points, Mapping):  # a resumed stream: only the points it reads
+        return
     count = None if points is None else len(points)
     if count != 2 * num_layers + 1:
         raise ValueError(
@@ -346,20 +369,53 @@ def make_stream(
     in `stream.weights` (none for "standard") and the pre-norm mixture the sublayer's norm sees in `stream.mixtures`;
     `inference` selects, for "block", the fused bank path (no autograd; `attnres.layers.bank_stream`).
     """
-    if residual == "standard":
-        stream = StandardStream(embedding, num_layers)
-    elif residual == "full":
-        stream = FullStream(embedding, num_layers, points, rescale_mixture)
-    elif residual == "block":
-        if block_size is None:
-            raise ValueError("block_size: the block residual needs a block size (in decoder layers)")
-        block_cls = BlockStream
-        if inference and not record_weights:
-            from attnres.layers.bank_stream import BankStream  # imports this module
-
-            block_cls = BankStream
-        stream = block_cls(embedding, num_layers, points, block_size, rescale_mixture, two_phase)
-    else:
-        raise ValueError(f"residual: expected one of {RESIDUAL_KINDS}, got {residual!r}")
+    cls = _stream_class(residual, block_size, inference and not record_weights)
+    stream = _build(cls, embedding, num_layers, points, block_size, rescale_mixture, two_phase)
     stream.record = record_weights
     return stream
+
+
+def resume_stream(
+    residual: str,
+    state: ResidualState,
+    layer: int,
+    num_layers: int,
+    points: Mapping[int, DepthAttention] | None = None,
+    *,
+    block_size: int | None = None,
+    rescale_mixture: bool = False,
+    two_phase: bool | None = None,
+    record_weights: bool = False,
+    inference: bool = False,
+) -> ResidualStream:
+    """The stream of decoder `layer` alone (`num_layers`: the final read), continuing from the `state` that layers
+    0 .. layer-1 left. `points` maps the point indices it reads (2 layer and 2 layer + 1, or 2L) to their points: a
+    layer needs only its own parameters. Its `state()` after the layer's two writes is the next layer's input. Other
+    arguments as in `make_stream`; `inference` must be the same for every layer of one forward."""
+    cls = _stream_class(residual, block_size, inference and not record_weights)
+    stream = _build(cls, None, num_layers, points, block_size, rescale_mixture, two_phase)
+    stream.record = record_weights
+    stream.resume(layer, state, end_point=min(2 * layer + 2, 2 * num_layers + 1))
+    return stream
+
+
+def _stream_class(residual: str, block_size: int | None, bank: bool) -> type[ResidualStream]:
+    if residual == "block":
+        if block_size is None:
+            raise ValueError("block_size: the block residual needs a block size (in decoder layers)")
+        if bank:
+            from attnres.layers.bank_stream import BankStream  # imports this module
+
+            return BankStream
+        return BlockStream
+    if residual not in RESIDUAL_KINDS:
+        raise ValueError(f"residual: expected one of {RESIDUAL_KINDS}, got {residual!r}")
+    return StandardStream if residual == "standard" else FullStream
+
+
+def _build(cls, embedding, num_layers, points, block_size, rescale_mixture, two_phase) -> ResidualStream:
+    if cls is StandardStream:
+        return StandardStream(embedding, num_layers)
+    if cls is FullStream:
+        return FullStream(embedding, num_layers, points, rescale_mixture)
+    return cls(embedding, num_layers, points, block_size, rescale_mixture, two_phase)

@@ -66,6 +66,11 @@ class AttnResConfig(PreTrainedConfig):
         attn_res_two_phase (`bool` or None, defaults to None):
             Block AttnRes only: score a block's completed summaries once for all its aggregation points (DESIGN
             section 5). None chooses it whenever it saves reads.
+        attn_res_layer_plan (`list` or None, defaults to None):
+            What each decoder layer's two sublayers are in the family's own layer (PreNorm child, body, modules after
+            the body, residual scale; `attnres.models.family.Sublayer`). Read and checked once, in float64, when a
+            model is first built from this config or converted, then kept here, so that loading a saved model never
+            runs a probe and never depends on its weights. Not meant to be written by hand.
 
     Layer 0's attention-side aggregation point has a single source (the embedding): its weight is exactly 1, so its
     two parameters (`model.layers.0.self_attention_res_{proj,norm}.weight`) never receive a gradient. That is the
@@ -84,6 +89,7 @@ class AttnResConfig(PreTrainedConfig):
     attn_res_block_size: int = 2
     attn_res_rescale_mixture: bool = False
     attn_res_two_phase: bool | None = None
+    attn_res_layer_plan: list | None = None
 
     def __post_init__(self, **kwargs):
         # flat family fields (`hidden_size=...`, or a config.json written by attnres 0.1) build the family's config
@@ -145,6 +151,9 @@ class AttnResConfig(PreTrainedConfig):
             value = getattr(self.text_config, name, None)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer in the {self.base_model_type} config, got {value!r}")
+        plan = self.attn_res_layer_plan
+        if plan is not None and (not isinstance(plan, list) or len(plan) != 2):
+            raise ValueError(f"attn_res_layer_plan: expected the two sides of a decoder layer (a list of 2), got {plan!r}")
         _check_attention_fields(self.text_config)
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from attnres.models.configuration_attnres import ATTNRES_FIELDS, AttnResConfig
-from attnres.models.family import check_family_model
+from attnres.models.family import plan_decoder_layers
 from attnres.models.loading import is_attnres_key
 from attnres.models.modeling_attnres import AttnResForCausalLM
 
@@ -56,8 +56,13 @@ def convert_from_hf(
     """
     if not isinstance(model, PreTrainedModel) or model.get_output_embeddings() is None:
         raise TypeError(f"model: expected a transformers *ForCausalLM decoder model, got {type(model).__name__}")
-    check_family_model(model, model.config.model_type)  # a clear refusal before any weight moves
-    config = attnres_config_from_hf(model.config, residual, attn_res_block_size, **config_overrides)
+    # the plan of its decoder layers, read from the family's own layers and checked in float64 (a clear refusal
+    # before any weight moves); the converted model keeps it in its config and never probes again
+    sides = plan_decoder_layers(model, model.config.model_type)
+    config = attnres_config_from_hf(
+        model.config, residual, attn_res_block_size, attn_res_layer_plan=[side.to_config() for side in sides],
+        **config_overrides,
+    )
     with torch.device("meta"):  # no second random init of weights about to be replaced
         converted = AttnResForCausalLM(config)
     state = {key: tensor.detach().clone() for key, tensor in model.state_dict().items()}
@@ -79,5 +84,4 @@ def convert_from_hf(
         converted.tie_weights()
     converted.generation_config = copy.deepcopy(model.generation_config)
     converted.train(model.training)
-    converted.plan_layers()  # reads the family's decoder layers; refuses one AttnRes cannot rewire exactly
     return converted

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 from torch import nn
 
 # a child's output may pass through at most this many modules before it is added to the residual
 PROBE_TOKENS = 3  # several tokens (a tensor unpacked as a tuple fails loudly), few enough for any model
-_EXTRA = "attn_res_probe_extra"  # an extra keyword argument: whichever child receives it gets the layer's **kwargs
+_EXTRA = "attn_res_probe_extra"
+# plans are read and checked in float64: its round-off of a layer's sums, relative to the largest magnitude they add
+FLOAT64_TOLERANCE = 1e-9  # an extra keyword argument: whichever child receives it gets the layer's **kwargs
 
 
 @dataclass(frozen=True)
@@ -40,21 +42,37 @@ class Sublayer:
     norm: the PreNorm child's name; fused_eps: its eps when it is the plain `weight * x * rsqrt(mean(x^2) + eps)`
     (then the depth aggregation fuses it), else None (it is applied to the mixture as the family's own module);
     body: the attention or MLP/MoE child; body_args: names of the layer's keyword arguments the body receives;
-    body_kwarg_input: the body takes its input as `hidden_states=` (else positionally); tuple_output: the body
-    returns a tuple whose first element is the output; post: children applied to the body's output, in order.
+    body_extra: the body also takes the layer's other keyword arguments (its `**kwargs`); body_kwarg_input: the body
+    takes its input as `hidden_states=` (else positionally); tuple_output: the body returns a tuple whose first element
+    is the output; post: children applied to the body's output, in order, each (name, returns a tuple); scale: the
+    constant the family multiplies the output by before adding it (Granite's residual multiplier).
+
+    A plan depends on the family's code and config only, so it is read once (`plan_decoder_layers`) and kept in the
+    model's config as `attn_res_layer_plan` (`to_config` / `from_config`).
     """
 
     norm: str
-    norm_class: type
     fused_eps: float | None
     body: str
     body_args: tuple[str, ...]
     body_extra: bool
-    layer_args: frozenset[str]  # the layer forward's own argument names (the rest of its kwargs pass through)
     body_kwarg_input: bool
     tuple_output: bool
-    post: tuple[tuple[str, bool], ...]  # (child name, returns a tuple)
+    post: tuple[tuple[str, bool], ...]
     scale: float
+
+    def to_config(self) -> dict:
+        """The JSON form kept in `AttnResConfig.attn_res_layer_plan`."""
+        out = asdict(self)
+        out["body_args"], out["post"] = list(self.body_args), [list(p) for p in self.post]
+        return out
+
+    @classmethod
+    def from_config(cls, entry: dict) -> Sublayer:
+        names = {f.name for f in fields(cls)}
+        if not isinstance(entry, dict) or set(entry) != names:
+            raise ValueError(f"attn_res_layer_plan: expected each side as a dict with keys {sorted(names)}, got {entry!r}")
+        return cls(**{**entry, "body_args": tuple(entry["body_args"]), "post": tuple(tuple(p) for p in entry["post"])})
 
 
 @dataclass
@@ -111,7 +129,7 @@ def _refuse(family: str, reason: str) -> FamilyRefused:
 def _scale(added: torch.Tensor, output: torch.Tensor, layer: nn.Module) -> float | None:
     """The constant c with added == c * output (up to rounding), or None. Where the layer holds that constant as an
     attribute (Granite's `residual_multiplier`), its exact value; 1.0 for a plain residual add."""
-    tol = probe_tolerance(output.dtype)
+    tol = FLOAT64_TOLERANCE
     a, o = added.double().flatten(), output.double().flatten()
     c = float((a @ o) / (o @ o))
     if not torch.allclose(a, c * o, rtol=tol, atol=tol * float(o.abs().max())):
@@ -120,11 +138,6 @@ def _scale(added: torch.Tensor, output: torch.Tensor, layer: nn.Module) -> float
         if abs(c - exact) <= tol * abs(exact):
             return exact
     return c
-
-
-def probe_tolerance(dtype: torch.dtype) -> float:
-    """How far the family's own rounding in `dtype` (its residual add, a bf16 model's) may move a probe's numbers."""
-    return max(1e-5, 8 * torch.finfo(dtype).eps)
 
 
 def plan_layer(
@@ -170,7 +183,7 @@ def plan_layer(
         nxt = calls[i].input if i < len(calls) else out
         if any(c.input is hidden for c in calls[i:]) or any(c.input is chain[0].output for c in calls[i:]):
             raise _refuse(family, "feeds its attention and its MLP the same input (a parallel residual)")
-        scale = _scale(nxt.float() - residual.float(), chain[-1].output, layer)
+        scale = _scale(nxt.double() - residual.double(), chain[-1].output, layer)
         if scale is None:
             raise _refuse(family, f"does not add the output of {chain[-1].name!r} to the residual")
         sides.append(_sublayer(layer, layer_cls, family, dim, chain, scale, kwargs))
@@ -200,12 +213,10 @@ def _sublayer(layer, layer_cls, family, dim, chain: list[_Call], scale: float, l
             raise _refuse(family, f"passes {body.name!r} a computed argument {name!r}")
     return Sublayer(
         norm=chain[0].name,
-        norm_class=type(first),
         fused_eps=plain_rms_eps(first, dim),
         body=body.name,
         body_args=tuple(n for n in body.kwargs if n in params and n != "hidden_states"),
         body_extra=_EXTRA in body.kwargs,
-        layer_args=frozenset(params),
         body_kwarg_input=body.kwarg_input,
         tuple_output=body.tuple_output,
         post=tuple((c.name, c.tuple_output) for c in chain[chain.index(body) + 1 :]),
@@ -219,12 +230,13 @@ def layer_parameters(layer_cls: type) -> dict[str, inspect.Parameter]:
     return {n: p for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self"}
 
 
-def run_sublayer(layer: nn.Module, side: Sublayer, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """The sublayer's output v (what the family adds to its residual) for the normed input `x`."""
+def run_sublayer(layer: nn.Module, side: Sublayer, x: torch.Tensor, kwargs: dict, layer_args: frozenset) -> torch.Tensor:
+    """The sublayer's output v (what the family adds to its residual) for the normed input `x`; `layer_args`: the
+    family layer forward's own argument names (the rest of `kwargs` reach a `body_extra` body)."""
     body = getattr(layer, side.body)
     args = {name: kwargs[name] for name in side.body_args if name in kwargs}
     if side.body_extra:
-        args.update((name, value) for name, value in kwargs.items() if name not in side.layer_args)
+        args.update((name, value) for name, value in kwargs.items() if name not in layer_args)
     out = body(hidden_states=x, **args) if side.body_kwarg_input else body(x, **args)
     out = out[0] if side.tuple_output else out
     for name, is_tuple in side.post:
@@ -243,10 +255,9 @@ class _Captured(Exception):
     pass
 
 
-def check_family_model(lm: nn.Module, family: str) -> None:
-    """Refuse, with the reason, a family causal LM `lm` whose first decoder layer AttnRes cannot rewire: its layer is
-    planned as `plan_layer` does, on the inputs the family's own base model gives it (one short forward, stopped
-    there)."""
+def first_layer_input(lm: nn.Module, family: str) -> tuple[torch.Tensor, dict]:
+    """(hidden states, keyword arguments) that the family's own base model hands its first decoder layer for a short
+    probe input: its embedding (scaled as the family scales it), masks and rotary embeddings. No layer runs."""
     base = lm.base_model
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
@@ -265,4 +276,66 @@ def check_family_model(lm: nn.Module, family: str) -> None:
         pass
     finally:
         handle.remove()
-    plan_layer(layers[0], type(layers[0]), family, seen["hidden"].shape[-1], seen["hidden"], seen["kwargs"])
+    return seen["hidden"], seen["kwargs"]
+
+
+def _to_float64(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().double() if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_float64(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_float64(v) for k, v in value.items()}
+    return value
+
+
+def plan_and_check_layer(
+    layer: nn.Module, layer_cls: type, family: str, hidden: torch.Tensor, kwargs: dict, index: int = 0
+) -> tuple[Sublayer, Sublayer]:
+    """The plan of one decoder layer (`layer` holds the children of a `layer_cls` family layer), read and then checked
+    against the family layer's own forward, both on a float64 copy of the layer. In float64 the residual's rounding
+    (real checkpoints carry residual channels in the thousands, in bf16) cannot hide a sublayer's output, so the check
+    holds whatever the weights' magnitudes and dtype; its tolerance follows the residual and output magnitudes."""
+    with torch.no_grad():
+        copy64 = copy.deepcopy(layer).double().eval()  # dropout would draw two masks for the two forwards compared
+        _kernels_for_float64(copy64)
+        h, kw = _to_float64(hidden), _to_float64(kwargs)
+        sides = plan_layer(copy64, layer_cls, family, h.shape[-1], h, kw)
+        want = layer_cls.forward(copy64, h, **kw)
+        got, args = h, frozenset(layer_parameters(layer_cls))
+        for side in sides:
+            got = got + run_sublayer(copy64, side, getattr(copy64, side.norm)(got), kw, args)
+    scale = max(float(h.abs().max()), float(want.abs().max()))
+    if not torch.allclose(got, want, rtol=FLOAT64_TOLERANCE, atol=FLOAT64_TOLERANCE * scale):
+        raise _refuse(
+            family,
+            f"{index} does more than its two sublayers and their residual adds (the plan "
+            f"{[s.body for s in sides]} differs from its output by {float((got - want).abs().max()):.3g} in float64)",
+        )
+    return sides
+
+
+def _kernels_for_float64(layer: nn.Module) -> None:
+    """Kernels such as flash attention or grouped-mm experts take no float64: the copy runs the same functions through
+    sdpa and the eager experts loop."""
+    for module in layer.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_attn_implementation", None) not in (None, "eager", "sdpa"):
+            config._attn_implementation = "sdpa"
+        if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+            config._experts_implementation = "eager"
+
+
+def plan_decoder_layers(lm: nn.Module, family: str, layer_class=type) -> tuple[Sublayer, Sublayer]:
+    """The one plan of every decoder layer of the family causal LM `lm` (`layer_class(layer)`: the family's decoder
+    layer class of each layer), read and checked per layer on the input the family's base model gives its first
+    layer. Refuses, with the reason, a family AttnRes cannot rewire exactly, and one whose layers differ."""
+    hidden, kwargs = first_layer_input(lm, family)
+    plans = [
+        plan_and_check_layer(layer, layer_class(layer), family, hidden, kwargs, i)
+        for i, layer in enumerate(lm.base_model.layers)
+    ]
+    odd = next((i for i, p in enumerate(plans) if p != plans[0]), None)
+    if odd is not None:
+        raise _refuse(family, f"{odd} differs from layer 0 in its sublayers ({plans[odd]} against {plans[0]})")
+    return plans[0]

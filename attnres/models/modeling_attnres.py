@@ -9,9 +9,14 @@ AttnRes parameters carry the Kimi K3 names: per decoder layer `self_attention_re
 `mlp_res_{proj,norm}`, and `model.output_attn_res_{proj,norm}` for the read before the final norm. The standard
 residual has none of them.
 
-One forward makes one `ForwardState` and one residual stream; the stream, and with it the Block bank, lives for that
-forward only (a prefill chunk or a decode step, DESIGN section 6); what generation keeps across steps is the
-attention's KV cache, exactly as in the family's model.
+Each decoder layer takes the residual state and returns the new one (`attnres.models.wiring`, DESIGN section 14); the
+state, and with it the Block bank, lives for one forward only (a prefill chunk or a decode step, DESIGN section 6);
+what generation keeps across steps is the attention's KV cache, exactly as in the family's model.
+
+`hidden_states` (`output_hidden_states=True`): entry l is what decoder layer l reads as its residual, the pre-norm
+mixture of its attention side (times the number of sources with `attn_res_rescale_mixture`, so that a zero-query
+converted model reports exactly the original's hidden states); the last entry is the final norm's output, as in
+transformers.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
@@ -31,8 +38,17 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from attnres.models.configuration_attnres import AttnResConfig
 from attnres.models.loading import check_bank_layout, check_loaded_weights, saved_config
 from attnres.layers import KeyNorm, NamedPoint, PseudoQuery
-from attnres.models.family import probe_input
-from attnres.models.wiring import OUTPUT_POINT, AttnResDecoderLayer, ForwardState, add_points
+from attnres.models.family import Sublayer, plan_decoder_layers
+from attnres.layers.streams import ResidualState
+from attnres.models.wiring import (
+    ACTIVE_RECORDS,
+    OUTPUT_POINT,
+    AttnResDecoderLayer,
+    FinalRead,
+    Records,
+    add_points,
+    flat_tensor_checkpoint,
+)
 
 
 @dataclass
@@ -48,6 +64,8 @@ class AttnResModelOutput(BaseModelOutputWithPast):
         the next aggregation point (layer i + 1's attention side, or the final read after the last layer) hands its
         norm, i.e. the mixture m of DESIGN section 3 (times the number of sources with `attn_res_rescale_mixture`), not
         the block prefix. For "standard" it is the residual sum after layer i, the usual capture. Not detached.
+    residual_state (`output_residual_state=True`): the `ResidualState` the final read consumed (the bank and partial
+        sum, every source, or the residual sum).
     router_logits: MoE families, as theirs.
     """
 
@@ -55,6 +73,7 @@ class AttnResModelOutput(BaseModelOutputWithPast):
     depth_weights: list[torch.Tensor] | None = None
     depth_mixtures: list[torch.Tensor] | None = None
     captured_hidden_states: tuple[torch.Tensor, ...] | None = None
+    residual_state: ResidualState | None = None
 
 
 @dataclass
@@ -67,6 +86,7 @@ class AttnResCausalLMOutput(CausalLMOutputWithPast):
     depth_weights: list[torch.Tensor] | None = None
     depth_mixtures: list[torch.Tensor] | None = None
     captured_hidden_states: tuple[torch.Tensor, ...] | None = None
+    residual_state: ResidualState | None = None
 
 
 # transformers' Mixtral-style renaming `.block_sparse_moe.` <-> `.mlp.` is a regex whose dots match any character, so
@@ -95,22 +115,36 @@ class AttnResPreTrainedModel(PreTrainedModel):
     config: AttnResConfig
     base_model_prefix = "model"
     _no_split_modules = ["AttnResDecoderLayer"]
-    supports_gradient_checkpointing = True  # per sublayer, see AttnResDecoderLayer._sublayer
+    supports_gradient_checkpointing = True  # whole decoder layers: AttnResDecoderLayer is a GradientCheckpointingLayer
     # attention is the family's own module: whatever backend its family supports
     _supports_sdpa = _supports_flash_attn = _supports_flex_attn = _supports_attention_backend = True
 
     def _build_family(self, config: AttnResConfig) -> PreTrainedModel:
         """The family's own causal LM, its decoder layers swapped for AttnRes layers (same children, same names), and
-        for Full and Block the final read's parameters on its base model."""
+        for Full and Block the final read's parameters on its base model. A config without a layer plan gets one here,
+        read from the family's layers (unless they are on the meta device: then `plan_layers` once they are real)."""
         lm = _family_lm_class(config)(config.text_config)
         base = lm.base_model
         if not isinstance(getattr(base, "layers", None), nn.ModuleList):
             raise ValueError(f"base_model_type: the {config.base_model_type!r} model keeps no decoder `layers` list")
+        if config.attn_res_layer_plan is None and not any(p.is_meta for p in lm.parameters()):
+            _keep_plan(config, plan_decoder_layers(lm, config.base_model_type))  # refuses a family not PreNorm
+        if type(lm).base_model_prefix != "model":
+            raise ValueError(
+                f"base_model_type: the {config.base_model_type!r} causal LM keeps its base model as "
+                f"{type(lm).base_model_prefix!r}; AttnRes models keep it as 'model' (the Llama layout) and support "
+                f"those families only"
+            )
         dim, eps = config.hidden_size, _key_norm_eps(config.text_config)
-        base.layers = nn.ModuleList(
-            AttnResDecoderLayer(layer, i, config.residual, dim, eps) for i, layer in enumerate(base.layers)
-        )
+        base.layers = nn.ModuleList(AttnResDecoderLayer(layer, i, config, dim, eps) for i, layer in enumerate(base.layers))
+        if config.attn_res_layer_plan is not None:
+            sides = tuple(Sublayer.from_config(entry) for entry in config.attn_res_layer_plan)
+            for layer in base.layers:
+                layer.install_plan(sides)
         self.final_point = () if config.residual == "standard" else add_points(base, (OUTPUT_POINT,), dim, eps)
+        final_read = FinalRead(config, self.final_point)
+        base.norm.register_forward_pre_hook(final_read)
+        base.norm.register_forward_hook(final_read.after)
         return lm
 
     def aggregation_points(self) -> list[NamedPoint] | None:
@@ -120,58 +154,43 @@ class AttnResPreTrainedModel(PreTrainedModel):
             return None
         return [point for layer in self.model.layers for point in layer.points] + list(self.final_point)
 
-    def forward_state(
-        self, *, output_depth_weights: bool = False, capture_layers: Sequence[int] | None = None, **options
-    ) -> ForwardState:
-        """The state of one forward (Block takes the fused bank path when no gradient is recorded); `options`: the
-        other fields of `ForwardState` (probe, start, stop, resume_from)."""
-        return ForwardState(
-            self.config,
-            self.aggregation_points(),
-            record_weights=output_depth_weights,
-            capture=_check_capture_layers(capture_layers, self.config.num_hidden_layers),
-            inference=not torch.is_grad_enabled(),
-            **options,
-        )
+    def layer_inputs(self, input_ids=None, inputs_embeds=None) -> list[tuple[torch.Tensor, dict]]:
+        """(hidden states, keyword arguments) the family's base model hands each decoder layer for these inputs (its
+        embedding for layer 0, masks and rotary embeddings for every layer), from its own forward with no layer run:
+        what a caller that runs a range of layers itself (a pipeline stage) passes them."""
+        records = Records(layer_inputs=[])
+        token = ACTIVE_RECORDS.set(records)
+        try:
+            self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, use_cache=False)
+        finally:
+            ACTIVE_RECORDS.reset(token)
+        return records.layer_inputs
+
+    def final_read(self, state: ResidualState) -> torch.Tensor:
+        """The mixture the family's final norm normalises, from the state the last decoder layer returned."""
+        return FinalRead(self.config, self.final_point).read(state)
 
     def is_planned(self) -> bool:
         return all(layer.sides is not None for layer in self.model.layers)
 
     @torch.compiler.disable
     def plan_layers(self) -> None:
-        """Read every decoder layer's two sublayers from the family's own layer (`attnres.models.family`) and check
-        them numerically; an unsupported family raises a ValueError here. Runs once, at the first forward."""
+        """Read and check the layer plan from the family's own decoder layers (`attnres.models.family`), keep it in the
+        config and install it; an unsupported family raises a ValueError. Needed only by a model built on the meta
+        device from a config without a plan (or loaded from a folder written before plans were kept)."""
         if self.is_planned():
             return
         if any(p.is_meta for p in self.parameters()):
             raise RuntimeError("plan_layers: the model's weights are still on the meta device; load them first")
-        modes = {module: module.training for module in self.modules()}
-        self.eval()  # dropout would draw two masks for the two forwards the check compares
-        try:
-            with torch.no_grad():
-                self.model(input_ids=probe_input(self), use_cache=False, attn_res=self.forward_state(probe=True))
-        finally:
-            for module, training in modes.items():
-                module.training = training
-        if any(layer.sides is None for layer in self.model.layers):
-            raise ValueError(
-                f"base_model_type: the {self.config.base_model_type!r} model does not pass its keyword arguments on to "
-                f"its decoder layers, so AttnRes cannot hand them the residual state"
-            )
-        prefix = _family_lm_class(self.config).base_model_prefix
-        if prefix != "model":
-            raise ValueError(
-                f"base_model_type: the {self.config.base_model_type!r} causal LM keeps its base model as {prefix!r}; "
-                f"AttnRes models keep it as 'model' (the Llama layout) and support those families only"
-            )
+        sides = plan_decoder_layers(self, self.config.base_model_type, layer_class=lambda layer: layer.family_layer_cls)
+        _keep_plan(self.config, sides)
+        for layer in self.model.layers:
+            layer.install_plan(sides)
 
-    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1):
-        """transformers' switch, with `every_n_layers` counted over the AttnRes decoder layers too (transformers counts
-        only its `GradientCheckpointingLayer`s, whose whole-layer recompute would replay the stream's writes)."""
-        kwargs = {} if gradient_checkpointing_func is None else {"gradient_checkpointing_func": gradient_checkpointing_func}
-        super()._set_gradient_checkpointing(enable, every_n_layers=every_n_layers, **kwargs)
-        for i, layer in enumerate(self.model.layers):
-            layer.gradient_checkpointing = enable and i % every_n_layers == 0
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=checkpoint, every_n_layers=1):
+        """transformers' switch (whole decoder layers), with a checkpointing function that takes the layers' state
+        (a structure of tensors) as flat tensors: so reentrant checkpointing gives every state tensor its gradient."""
+        super()._set_gradient_checkpointing(enable, flat_tensor_checkpoint(gradient_checkpointing_func), every_n_layers)
 
     def initialize_weights(self):
         """The family's init for its modules; zero pseudo-queries and unit key gains for ours (transformers' guarded
@@ -196,30 +215,34 @@ class AttnResPreTrainedModel(PreTrainedModel):
         saved = saved_config(pretrained_model_name_or_path, kwargs)
         check_bank_layout(pretrained_model_name_or_path, saved, model.config)
         check_loaded_weights(pretrained_model_name_or_path, saved, info, model.state_dict(), ignore_mismatched_sizes)
-        model.plan_layers()
+        model.plan_layers()  # a no-op for a folder whose config keeps its plan: loading runs no probe
         return (model, info) if want_info else model
 
     def _begin(self, input_ids, inputs_embeds, attention_mask, cache, use_cache, output_depth_weights, capture_layers,
                kwargs: dict):
-        """Checks and the state of one forward: (cache, use_cache, ForwardState). A caller that wants the stream
-        afterwards (to read its bank or sources) passes its own state as `attn_res` in `kwargs`."""
+        """Checks and the records of one forward: (cache, use_cache, Records or None)."""
         cache = _cache_argument(cache, kwargs)
-        if kwargs.get("output_hidden_states"):
-            raise ValueError(
-                "output_hidden_states: an AttnRes layer's state is the residual stream, not one hidden state; pass "
-                "capture_layers=[...] for what each layer hands on (the mixture the next point forms), or "
-                "output_depth_weights=True for every point's mixture"
-            )
         if use_cache is None and self.training:
             use_cache = False  # a training step starts no KV cache
         _check_inputs(input_ids, inputs_embeds, attention_mask, cache)
-        if not self.is_planned():  # checked here, so that a compiled forward of a planned model never calls out
-            self.plan_layers()
-        state = kwargs.pop("attn_res", None)
-        if state is None:
-            state = self.forward_state(output_depth_weights=output_depth_weights, capture_layers=capture_layers)
-        self._refuse_row_routing(state.points or ())
-        return cache, use_cache, state
+        self._refuse_row_routing(self.aggregation_points() or ())
+        L = self.config.num_hidden_layers
+        hidden = _hidden_state_indices(kwargs.pop("output_hidden_states", None), L)
+        capture = _check_capture_layers(capture_layers, L)
+        want_state = kwargs.pop("output_residual_state", False)
+        if not (hidden or capture or output_depth_weights or want_state):
+            return cache, use_cache, None
+        reads = frozenset(i for i in hidden if i < L) | frozenset(i + 1 for i in capture)
+        return cache, use_cache, Records(reads=reads, depth=output_depth_weights, hidden=hidden, capture=tuple(capture))
+
+    def _run(self, forward, records: Records | None, output_cls, **kwargs):
+        """`forward(**kwargs)` (the family's) with `records` active, and its output with the AttnRes fields added."""
+        token = ACTIVE_RECORDS.set(records)
+        try:
+            output = forward(**kwargs)
+        finally:
+            ACTIVE_RECORDS.reset(token)
+        return _with_records(output, records, output_cls, self.config.num_hidden_layers)
 
     def _refuse_row_routing(self, points) -> None:
         """PEFT's mixed-adapter batches (`adapter_names=[...]`) route each row through its adapter by a hook on each
@@ -236,9 +259,10 @@ class AttnResPreTrainedModel(PreTrainedModel):
                         "one adapter per batch"
                     )
 
-    def _plan_unless_meta(self) -> None:
-        if not any(p.is_meta for p in self.parameters()):
-            self.plan_layers()
+
+
+def _keep_plan(config: AttnResConfig, sides: tuple[Sublayer, Sublayer]) -> None:
+    config.attn_res_layer_plan = [side.to_config() for side in sides]
 
 
 def _routes_rows_hook(hook) -> bool:
@@ -287,16 +311,34 @@ def _cache_argument(cache, kwargs: dict):
     return cache
 
 
-def _with_depth_outputs(output, state: ForwardState, output_cls):
-    """The family's output with the AttnRes fields of `state` added."""
+def _hidden_state_indices(output_hidden_states, num_layers: int) -> tuple[int, ...]:
+    """The hidden-state entries asked for (True: all L + 1; an index or a list of them, negative ones from the end, as
+    transformers takes them), in [0, L]."""
+    if output_hidden_states is None or output_hidden_states is False:
+        return ()
+    if output_hidden_states is True:
+        return tuple(range(num_layers + 1))
+    wanted = [output_hidden_states] if isinstance(output_hidden_states, int) else list(output_hidden_states)
+    n = num_layers + 1
+    return tuple(sorted({i % n for i in wanted if -n <= i < n}))
+
+
+def _with_records(output, records: Records | None, output_cls, num_layers: int):
+    """The family's output as `output_cls`, with what `records` kept added."""
     if not isinstance(output, dict):  # return_dict=False: the family's tuple
         return output
-    stream = state.stream
+    if records is None:
+        return output_cls(**output)
+    fields = dict(output)
+    if records.hidden:
+        entries = [records.mixtures_read.get(i) for i in range(num_layers)] + [records.final_normed]
+        fields["hidden_states"] = tuple(e if i in records.hidden else None for i, e in enumerate(entries))
     return output_cls(
-        **output,
-        depth_weights=stream.weights if state.record_weights else None,
-        depth_mixtures=stream.mixtures if state.record_weights else None,
-        captured_hidden_states=tuple(state.captured[i] for i in state.capture) if state.capture else None,
+        **fields,
+        depth_weights=[records.weights[k] for k in sorted(records.weights)] if records.depth else None,
+        depth_mixtures=[records.mixtures[k] for k in sorted(records.mixtures)] if records.depth else None,
+        captured_hidden_states=tuple(records.mixtures_read[i + 1] for i in records.capture) or None,
+        residual_state=records.final_state,
     )
 
 
@@ -307,7 +349,6 @@ class AttnResModel(AttnResPreTrainedModel):
         super().__init__(config)
         self.model = self._build_family(config).base_model
         self.post_init()
-        self._plan_unless_meta()
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.get_input_embeddings()
@@ -328,20 +369,21 @@ class AttnResModel(AttnResPreTrainedModel):
         **kwargs,
     ) -> AttnResModelOutput:
         """The family base model's forward (its arguments), through the AttnRes residual; see [`AttnResModelOutput`]."""
-        cache, use_cache, state = self._begin(
+        cache, use_cache, records = self._begin(
             input_ids, inputs_embeds, attention_mask, cache, use_cache, output_depth_weights, capture_layers, kwargs
         )
-        out = self.model(
+        return self._run(
+            self.model,
+            records,
+            AttnResModelOutput,
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            attn_res=state,
             **kwargs,
         )
-        return _with_depth_outputs(out, state, AttnResModelOutput)
 
 
 class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
@@ -359,7 +401,6 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
                 setattr(self, name, value)
         self.model, self.lm_head = lm.base_model, lm.lm_head
         self.post_init()
-        self._plan_unless_meta()
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.get_input_embeddings()
@@ -390,11 +431,13 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         """The family causal LM's forward (its arguments: logits `[batch, seq, vocab]`, or the last `logits_to_keep`
         positions; with labels `[batch, seq]`, -100 ignored, the mean next-token loss), through the AttnRes residual;
         `output_depth_weights` and `capture_layers` as in [`AttnResModelOutput`]."""
-        cache, use_cache, state = self._begin(
+        cache, use_cache, records = self._begin(
             input_ids, inputs_embeds, attention_mask, cache, use_cache, output_depth_weights, capture_layers, kwargs
         )
-        out = self._family_lm_forward(
-            self,
+        return self._run(
+            partial(self._family_lm_forward, self),
+            records,
+            AttnResCausalLMOutput,
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -403,7 +446,5 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             labels=labels,
             use_cache=use_cache,
             logits_to_keep=logits_to_keep,
-            attn_res=state,
             **kwargs,
         )
-        return _with_depth_outputs(out, state, AttnResCausalLMOutput)

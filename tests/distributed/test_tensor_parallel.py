@@ -12,8 +12,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from attnres.distributed import parallelize_tensor
-from attnres.layers.bank_stream import BankStream
-from attnres.layers.streams import BlockStream, FullStream, StandardStream
+from attnres.layers.streams import ResidualState
 from attnres.models import AttnResConfig, AttnResForCausalLM
 from tests.distributed.workers import run_ranks
 from tests.models import TINY, off_init_
@@ -35,21 +34,16 @@ def _model(case: str, **changes) -> AttnResForCausalLM:
     return model
 
 
-def _rows(stream) -> list[torch.Tensor]:
-    """The residual state a stream holds after the final read, each `[batch, tokens, hidden]`."""
-    if isinstance(stream, BankStream):
-        return list(stream.bank[:, : stream.nvb].unflatten(0, stream.shape[:2]).unbind(2))
-    if isinstance(stream, BlockStream):
-        return [*stream.bank, stream.prefix]
-    if isinstance(stream, FullStream):
-        return stream.sources
-    assert isinstance(stream, StandardStream)
-    return [stream.hidden]
+def _rows(model, state: ResidualState) -> list[torch.Tensor]:
+    """The residual state the final read consumed, each `[batch, tokens, hidden]` (the inference bank: its rows)."""
+    if model.config.residual == "block" and not torch.is_grad_enabled():  # one [tokens, NB, hidden] bank
+        return list(state.rows[0].unflatten(0, state.head.shape[:2]).unbind(2))
+    return [*state.rows, *([] if state.head is None else [state.head])]
 
 
 def _forward(model, input_ids, **kwargs):
-    state = model.forward_state()
-    return model(input_ids, attn_res=state, **kwargs), _rows(state.stream)
+    out = model(input_ids, output_residual_state=True, **kwargs)
+    return out, _rows(model, out.residual_state)
 
 
 def _full(grad: torch.Tensor) -> torch.Tensor:
