@@ -1,9 +1,10 @@
-"""Activation memory and step time of activation checkpointing, for the standard, Block and Full residuals.
+"""Activation memory and step time of activation checkpointing, for the standard, Block and Full residuals, beside
+transformers' own `LlamaForCausalLM` with the same weights.
 
 One training step (forward with the loss, backward) of a Llama-shaped model (default d=512, 8 layers, T=1024, batch 1,
-vocabulary 32000; the three residuals share every standard weight, the AttnRes pseudo-queries are random), each
-without and with `model.activation_checkpointing_enable()` (per sublayer: the attention and MLP internals are
-recomputed in backward; transformers' default non-reentrant checkpoint unless --reentrant):
+vocabulary 32000; the three residuals and transformers' Llama share every standard weight, the AttnRes pseudo-queries
+are random), each without and with `model.activation_checkpointing_enable()` (whole decoder layers are recomputed in
+backward from the residual state they took; transformers' default non-reentrant checkpoint unless --reentrant):
 
 - saved MiB: bytes autograd holds for the step, counted with `torch.autograd.graph.saved_tensors_hooks`: the sum of
   the unique storages of every tensor saved for backward, parameters left out (they are held anyway; their total is
@@ -11,7 +12,9 @@ recomputed in backward; transformers' default non-reentrant checkpoint unless --
 - [T, vocab] MiB: the part of it in tensors whose last dimension is the vocabulary (the logits and the loss's
   log-softmax), which checkpointing the decoder layers cannot reduce;
 - step s: median seconds of a step over --repeats rounds, the two variants of a residual timed alternately in the
-  same process (round-robin, after a warm-up step each), and their ratio.
+  same process (round-robin, after a warm-up step each), and their ratio;
+- vs transformers: the checkpointed saved bytes over transformers' checkpointed Llama's, with and without the
+  [T, vocab] tensors (which are the same in every model and dominate at a large vocabulary).
 
 Then, per residual, what the checkpointed step still saves, grouped by the op that created each tensor (its
 `grad_fn`) and its shape, largest first. The optimiser step is left out: checkpointing does not change it.
@@ -32,6 +35,7 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
@@ -41,6 +45,7 @@ from attnres.training.checkpoint import atomic_write_text  # noqa: E402
 
 MIB = 2**20
 KINDS = ("standard", "block", "full")
+BASELINE = "transformers"  # transformers' own LlamaForCausalLM, the same weights
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -126,20 +131,31 @@ def measure(kind: str, model, ids: torch.Tensor, args: argparse.Namespace) -> di
     }
 
 
+def add_baseline_ratios(results: list[dict]) -> None:
+    """Each result's checkpointed saved bytes over the baseline's, with and without the [T, vocab] tensors."""
+    base = next(r for r in results if r["residual"] == BASELINE)
+    for r in results:
+        r["vs_transformers"] = r["checkpointed_saved_bytes"] / base["checkpointed_saved_bytes"]
+        r["vs_transformers_without_vocab"] = (r["checkpointed_saved_bytes"] - r["checkpointed_vocab_bytes"]) / (
+            base["checkpointed_saved_bytes"] - base["checkpointed_vocab_bytes"]
+        )
+
+
 def print_tables(results: list[dict], args: argparse.Namespace) -> None:
     print(
         f"\nd={args.dim}, {args.layers} layers, T={args.tokens}, batch {args.batch}, vocab {args.vocab}, block size "
         f"{args.block_size}, {'reentrant' if args.reentrant else 'non-reentrant'} checkpoint, "
         f"{torch.get_num_threads()} threads; parameters {results[0]['parameter_bytes'] / MIB:.0f} MiB (not counted)\n"
     )
-    print("| residual | saved MiB | saved MiB, ckpt | fewer | of which [T, vocab] MiB (ckpt) | step s | step s, ckpt "
-          "| time ratio |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| residual | saved MiB | saved MiB, ckpt | fewer | of which [T, vocab] MiB (ckpt) | ckpt vs transformers "
+          "| without [T, vocab] | step s | step s, ckpt | time ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         print(
             f"| {r['residual']} | {r['plain_saved_bytes'] / MIB:.1f} | {r['checkpointed_saved_bytes'] / MIB:.1f} "
-            f"| {r['saved_ratio']:.2f}x | {r['checkpointed_vocab_bytes'] / MIB:.1f} | {r['plain_seconds']:.2f} "
-            f"| {r['checkpointed_seconds']:.2f} | {r['time_ratio']:.2f} |"
+            f"| {r['saved_ratio']:.2f}x | {r['checkpointed_vocab_bytes'] / MIB:.1f} | {r['vs_transformers']:.2f}x "
+            f"| {r['vs_transformers_without_vocab']:.2f}x | {r['plain_seconds']:.2f} | {r['checkpointed_seconds']:.2f} "
+            f"| {r['time_ratio']:.2f} |"
         )
     for r in results:
         if not args.top:
@@ -165,11 +181,14 @@ def main(argv: list[str] | None = None) -> None:
         max_tokens=args.tokens, seed=args.seed, kinds=KINDS,
     )
     ids = torch.randint(0, args.vocab, (args.batch, args.tokens), generator=torch.Generator().manual_seed(args.seed))
+    llama = LlamaForCausalLM(models["standard"].config.text_config)
+    llama.load_state_dict(models["standard"].state_dict())
     results = []
-    for kind in KINDS:
-        results.append(measure(kind, models[kind].train(), ids, args))
+    for kind, model in [(BASELINE, llama), *((kind, models[kind]) for kind in KINDS)]:
+        results.append(measure(kind, model.train(), ids, args))
         print(f"{kind}: {results[-1]['saved_ratio']:.2f}x fewer saved bytes, time ratio {results[-1]['time_ratio']:.2f}",
               flush=True)
+    add_baseline_ratios(results)
     print_tables(results, args)
     payload = {
         "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.machine(),

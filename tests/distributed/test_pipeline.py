@@ -282,6 +282,7 @@ def test_chained_chunks_compute_the_models_logits_in_one_process(residual, block
 
 def test_a_stream_exports_its_state_only_between_layers_and_resumes_only_fresh():
     from attnres.layers import make_stream
+    from attnres.layers.streams import ResidualState
 
     model = build_model(Case(2, "block", 2, "1f1b", 2))
     hidden = torch.randn(1, 2, DIM)
@@ -289,8 +290,8 @@ def test_a_stream_exports_its_state_only_between_layers_and_resumes_only_fresh()
     stream.read()
     with pytest.raises(RuntimeError, match="state: a stream has a state only between decoder layers"):
         stream.state()
-    with pytest.raises(ValueError, match="layer: expected a fresh stream and 0 <= layer <= 2, got 1"):
-        stream.resume(1, [hidden], hidden)
+    with pytest.raises(ValueError, match="layer: expected a fresh stream and 0 < layer <= 2, got 1"):
+        stream.resume(1, ResidualState(rows=(hidden,), head=hidden))
 
 
 @pytest.mark.parametrize("settings, message", [
