@@ -20,7 +20,8 @@ Every parameter is a DTensor on the mesh, as in torchtitan, so that optimizers (
 clipping and `torch.distributed.checkpoint` see one kind of parameter. Those outside the TP plan (pseudo-queries, key
 gains, the sublayer and final norms, per-head norms inside a body) are replicated; for the length of the base model's
 forward their modules hold local views of them (`to_local`, as FSDP2 swaps in its unsharded parameters), so that the
-stream and our ops see plain tensors. A view that acts on this rank's tokens or heads only gets a partial gradient,
+stream and our ops see plain tensors; under activation checkpointing until the backward is over, since it recomputes
+whole decoder layers. A view that acts on this rank's tokens or heads only gets a partial gradient,
 all-reduced over the mesh in backward (transformers' `replicated_with_grad_allreduce`, Megatron's sequence-parallel
 norms); the final norm's acts on every token (gathered) and needs none.
 
@@ -108,23 +109,29 @@ class TensorParallel:
         for style in self._reduce_outputs:
             style.desired_output_layouts = (layout, *style.desired_output_layouts[1:])
 
-    def _use_local_views(self, checkpointing: bool) -> None:
+    def _use_local_views(self) -> None:
         """Give each replicated parameter's module a local view of it for this forward (a base-model pre-hook)."""
-        self._restore()  # a forward that raised before its post-hook ran
-        in_body = [r for r in self._replicated if r.in_body]
-        if checkpointing and in_body and torch.is_grad_enabled():
-            raise ValueError(
-                f"model: activation checkpointing recomputes the sublayer bodies in backward, after the forward, and "
-                f"{in_body[0].name!r} of {type(in_body[0].module).__name__} inside a body is a replicated parameter "
-                f"whose local view lasts for the forward only; train this family without gradient checkpointing under "
-                f"tensor parallel"
-            )
+        self._restore()  # a forward that raised before its post-hook ran, or whose backward never came
         group = self.mesh.get_group()
-        for module, name, partial_grad, _ in self._replicated:
+        for module, name, partial_grad in self._replicated:
             param = module._parameters[name]  # whatever holds it now (FSDP may have swapped in its own)
             self._swapped.append((module, name, param))
             view = param.to_local()
             module._parameters[name] = _SumGradOverRanks.apply(view, group) if partial_grad else view
+
+    def _end_forward(self, output, checkpointing: bool) -> None:
+        """Give the parameters back after the forward (a base-model hook), or, when activation checkpointing will
+        recompute layers in backward, once the backward is over: the recompute reads the same local views."""
+        hidden = getattr(output, "last_hidden_state", None)
+        if not (checkpointing and isinstance(hidden, torch.Tensor) and hidden.requires_grad):
+            self._restore()
+            return
+
+        def restore_after_backward(grad: torch.Tensor) -> torch.Tensor:
+            torch.autograd.Variable._execution_engine.queue_callback(self._restore)
+            return grad
+
+        hidden.register_hook(restore_after_backward)
 
     def _restore(self) -> None:
         for module, name, param in self._swapped:
@@ -136,7 +143,6 @@ class _Replicated(NamedTuple):
     module: nn.Module
     name: str
     partial_grad: bool  # its local view acts on this rank's tokens or heads only
-    in_body: bool  # held by a sublayer body (which activation checkpointing recomputes after the forward)
 
 
 class _SumGradOverRanks(torch.autograd.Function):
@@ -154,9 +160,9 @@ class _SumGradOverRanks(torch.autograd.Function):
         return grad, None
 
 
-def _replicate(tp: TensorParallel, model: nn.Module, whole: set[int], bodies: set[int]) -> None:
+def _replicate(tp: TensorParallel, model: nn.Module, whole: set[int]) -> None:
     """Every parameter the TP plan left plain becomes a Replicate DTensor; the local views of those not in `whole`
-    (ids) sum their gradients over the ranks. `bodies`: ids of the modules inside sublayer bodies."""
+    (ids) sum their gradients over the ranks."""
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is None or isinstance(param, DTensor):
@@ -165,7 +171,7 @@ def _replicate(tp: TensorParallel, model: nn.Module, whole: set[int], bodies: se
                 DTensor.from_local(param.detach(), tp.mesh, [Replicate()], run_check=False),
                 requires_grad=param.requires_grad,
             )
-            tp._replicated.append(_Replicated(module, name, id(param) not in whole, id(module) in bodies))
+            tp._replicated.append(_Replicated(module, name, id(param) not in whole))
 
 
 def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None) -> TensorParallel:
@@ -212,10 +218,10 @@ def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None) -> Tens
         if tied:
             head.weight = embed.weight  # both vocabulary rows, Shard(0): one parameter again
     # the final norm sees every token (gathered); every other replicated parameter this rank's tokens or heads only
-    bodies = {id(m) for layer in base.layers for side in layer.sides for m in getattr(layer, side.body).modules()}
-    _replicate(tp, model, whole={id(p) for p in base.norm.parameters()}, bodies=bodies)
+    _replicate(tp, model, whole={id(p) for p in base.norm.parameters()})
     base.register_forward_pre_hook(_forward_hook(tp), with_kwargs=True)
-    base.register_forward_hook(lambda module, args, output: tp._restore(), always_call=True)
+    checkpointing = lambda: any(layer.gradient_checkpointing and layer.training for layer in base.layers)
+    base.register_forward_hook(lambda module, args, output: tp._end_forward(output, checkpointing()), always_call=True)
     return tp
 
 
@@ -226,7 +232,7 @@ def _forward_hook(tp: TensorParallel):
         tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
         tokens = args[0] if tokens is None and args else tokens
         tp._use_layout(tokens.shape[1])
-        tp._use_local_views(any(layer.gradient_checkpointing for layer in module.layers))
+        tp._use_local_views()
 
     return begin
 
