@@ -96,13 +96,13 @@ def apply_fsdp(model: nn.Module) -> nn.Module:
     and returns it.
 
     A decoder layer's group is its two sublayer bodies (`fully_shard([attention, mlp])`: one all-gather a layer),
-    not the layer module. FSDP2 gathers a group again for backward from a hook on what its modules return, and frees
-    the full gradients (reduce-scatter) from a hook on what they take; an AttnRes decoder layer's real inputs and
-    outputs are the residual stream's rows, which travel in the forward's state, not through its arguments, so hooks
-    on the layer would miss them. The bodies take the normed input and return the sublayer's output v: the hooks sit
-    on the tensors that carry the gradient, with no change to the model. What stays in the root group is O(d) a
-    layer (pseudo-queries, key gains, PreNorm gains) and is gathered once a step: Block's two-phase read scores all
-    the points of a block at its first layer, before the block's later layers run. The head's group stays gathered
+    not the layer module. FSDP2 gathers a group again for backward from a hook on every tensor its modules return
+    that needs a gradient, and an AttnRes layer returns the whole residual state: Block's earlier bank rows and Full's
+    earlier sources pass through it unchanged, and their gradients are complete only when the backward reaches the
+    layer that wrote them, so those hooks would gather this layer's parameters a second time, after its own backward. The
+    bodies take the normed input and return the sublayer's output v: the hooks sit on the tensors that carry the
+    gradient, with no change to the model. What stays in the root group is O(d) a layer (pseudo-queries, key gains,
+    PreNorm gains) and is gathered once a step. The head's group stays gathered
     after forward (its backward comes first); tied embeddings stay in the root (one parameter, two places).
     """
     from torch.distributed.fsdp import fully_shard
