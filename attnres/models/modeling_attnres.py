@@ -227,7 +227,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
         _check_inputs(input_ids, inputs_embeds, attention_mask, cache)
         self._refuse_row_routing(self.aggregation_points() or ())
         L = self.config.num_hidden_layers
-        hidden = _hidden_state_indices(kwargs.pop("output_hidden_states", None), L)
+        hidden = _hidden_state_indices(kwargs.pop("output_hidden_states", self.config.output_hidden_states), L)
         capture = _check_capture_layers(capture_layers, L)
         want_state = kwargs.pop("output_residual_state", False)
         if not (hidden or capture or output_depth_weights or want_state):
