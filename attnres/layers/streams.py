@@ -352,7 +352,7 @@ def _check_points(points: Sequence[DepthAttention] | Mapping[int, DepthAttention
 
 def make_stream(
     residual: str,
-    embedding: torch.Tensor,
+    embedding: torch.Tensor | None,
     num_layers: int,
     points: Sequence[DepthAttention] | None = None,
     *,
@@ -367,7 +367,8 @@ def make_stream(
     `points`: the 2L + 1 aggregation points in schedule order (not needed for "standard"); `block_size` counts
     decoder layers (Kimi K3 `attn_res_block_size`); `record_weights` keeps, for every read, the depth weights
     in `stream.weights` (none for "standard") and the pre-norm mixture the sublayer's norm sees in `stream.mixtures`;
-    `inference` selects, for "block", the fused bank path (no autograd; `attnres.layers.bank_stream`).
+    `inference` selects, for "block", the fused bank path (no autograd; `attnres.layers.bank_stream`). A stream made
+    without an embedding waits for `resume` (`resume_stream`).
     """
     cls = _stream_class(residual, block_size, inference and not record_weights)
     stream = _build(cls, embedding, num_layers, points, block_size, rescale_mixture, two_phase)
@@ -376,25 +377,14 @@ def make_stream(
 
 
 def resume_stream(
-    residual: str,
-    state: ResidualState,
-    layer: int,
-    num_layers: int,
-    points: Mapping[int, DepthAttention] | None = None,
-    *,
-    block_size: int | None = None,
-    rescale_mixture: bool = False,
-    two_phase: bool | None = None,
-    record_weights: bool = False,
-    inference: bool = False,
+    residual: str, state: ResidualState, layer: int, num_layers: int, points: Mapping[int, DepthAttention] | None = None,
+    **options,
 ) -> ResidualStream:
     """The stream of decoder `layer` alone (`num_layers`: the final read), continuing from the `state` that layers
     0 .. layer-1 left. `points` maps the point indices it reads (2 layer and 2 layer + 1, or 2L) to their points: a
-    layer needs only its own parameters. Its `state()` after the layer's two writes is the next layer's input. Other
-    arguments as in `make_stream`; `inference` must be the same for every layer of one forward."""
-    cls = _stream_class(residual, block_size, inference and not record_weights)
-    stream = _build(cls, None, num_layers, points, block_size, rescale_mixture, two_phase)
-    stream.record = record_weights
+    layer needs only its own parameters. Its `state()` after the layer's two writes is the next layer's input.
+    `options`: the keyword arguments of `make_stream`; `inference` must be the same for every layer of one forward."""
+    stream = make_stream(residual, None, num_layers, points, **options)
     stream.resume(layer, state, end_point=min(2 * layer + 2, 2 * num_layers + 1))
     return stream
 
