@@ -9,6 +9,7 @@ the one that ran last, so tests can prove routing.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -91,16 +92,21 @@ def backend_for(device_type: str, dtype: torch.dtype, d: int, stats_rows: int | 
     choice = os.environ.get(BACKEND_ENV, "auto")
     if choice not in BACKEND_CHOICES:
         raise ValueError(f"{BACKEND_ENV}: expected one of {BACKEND_CHOICES}, got {choice!r}")
-    backend = TORCH
-    if choice == "auto" and dtype != torch.float64:  # fp64 (gradcheck) always takes the reference-grade torch path
-        kind = "triton" if device_type == "cuda" else "cpu" if device_type == "cpu" else None
-        found = _probe(kind) if kind else None
-        has_op = found is not None and (found.fwd if stats_rows is None else found.stats_fwd) is not None
-        fits = has_op and (found.max_d is None or d <= found.max_d)
-        fits = fits and (stats_rows is None or found.max_rows is None or stats_rows <= found.max_rows)
-        backend = found if fits else TORCH
+    backend = _choose(choice, device_type, dtype, d, stats_rows)
     _last = backend.name
     return backend
+
+
+@functools.cache  # a function of its arguments (the probed backends are cached too): a decode step asks per layer
+def _choose(choice: str, device_type: str, dtype: torch.dtype, d: int, stats_rows: int | None) -> Backend:
+    if choice != "auto" or dtype == torch.float64:  # fp64 (gradcheck) always takes the reference-grade torch path
+        return TORCH
+    kind = "triton" if device_type == "cuda" else "cpu" if device_type == "cpu" else None
+    found = _probe(kind) if kind else None
+    has_op = found is not None and (found.fwd if stats_rows is None else found.stats_fwd) is not None
+    fits = has_op and (found.max_d is None or d <= found.max_d)
+    fits = fits and (stats_rows is None or found.max_rows is None or stats_rows <= found.max_rows)
+    return found if fits else TORCH
 
 
 def last_backend() -> str:
