@@ -12,6 +12,7 @@ A rank that fails makes the collectives of the others raise (its sockets close) 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -95,14 +96,9 @@ def apply_fsdp(model: nn.Module) -> nn.Module:
     after (`reshard_after_forward`), so a layer's full parameters exist only while it runs. Changes `model` in place
     and returns it.
 
-    A decoder layer's group is its two sublayer bodies (`fully_shard([attention, mlp])`: one all-gather a layer),
-    not the layer module. FSDP2 gathers a group again for backward from a hook on every tensor its modules return
-    that needs a gradient, and an AttnRes layer returns the whole residual state: Block's earlier bank rows and Full's
-    earlier sources pass through it unchanged, and their gradients are complete only when the backward reaches the
-    layer that wrote them, so those hooks would gather this layer's parameters a second time, after its own backward. The
-    bodies take the normed input and return the sublayer's output v: the hooks sit on the tensors that carry the
-    gradient, with no change to the model. What stays in the root group is O(d) a layer (pseudo-queries, key gains,
-    PreNorm gains) and is gathered once a step. The head's group stays gathered
+    A decoder layer's group is the whole layer: it takes the residual state and returns the new one, and hands on the
+    rows it does not change as views of its own (`attnres.models.wiring`), so FSDP2's hooks on its outputs gather it
+    again for backward just before its own backward runs. The head's group stays gathered
     after forward (its backward comes first); tied embeddings stay in the root (one parameter, two places).
     """
     from torch.distributed.fsdp import fully_shard
@@ -111,8 +107,13 @@ def apply_fsdp(model: nn.Module) -> nn.Module:
     if layers is None or any(getattr(layer, "sides", None) is None for layer in layers):
         raise TypeError(f"model: expected a planned AttnResForCausalLM (decoder layers in .model.layers), got "
                         f"{type(model).__name__}")
+    # FSDP2 warns about every view a group returns, since an in-place op on it would skip its hook; a layer's views
+    # (the rows it hands on) are never written in place while gradients are recorded
+    warnings.filterwarnings(
+        "ignore", message=r"FSDP2-wrapped module \(FSDPAttnResDecoderLayer\) returned a view tensor", category=UserWarning
+    )
     for layer in layers:
-        fully_shard([getattr(layer, side.body) for side in layer.sides])
+        fully_shard(layer)
     if not model.config.tie_word_embeddings:
         fully_shard(model.get_input_embeddings())
         fully_shard(model.get_output_embeddings(), reshard_after_forward=False)

@@ -168,7 +168,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             stream.write(run_sublayer(self, side, x, kwargs, self.family_args).to(x.dtype))
         if records is not None and records.depth:
             records.keep_depth(stream, 2 * self.layer_idx)
-        return stream.state()
+        return _passed_on_as_views(stream.state(), hidden_states)
 
     def _stream(self, state: torch.Tensor | ResidualState, records: Records | None) -> ResidualStream:
         config = self.attn_res_config
@@ -197,6 +197,22 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         if side.fused_eps is not None and type(norm) is self._family_norms[side.norm]:
             return stream.read(_Norm(norm, side.fused_eps))
         return norm(stream.read())  # the family's own norm on the mixture (or a module swapped in for it)
+
+
+def _passed_on_as_views(state: ResidualState, given: torch.Tensor | ResidualState) -> ResidualState:
+    """`state` with every tensor this layer took and hands on unchanged (Block's earlier bank rows, Full's earlier
+    sources) replaced by a view of it: each layer's outputs are then its own autograd nodes, whose gradients are
+    complete when the backward reaches this layer. Hooks on a layer's outputs fire then (FSDP2 gathers the layer's
+    parameters for backward from such hooks); on the taken tensor itself they would fire only when the backward
+    reaches the layer that wrote it. Views share storage: nothing is copied."""
+    if not torch.is_grad_enabled():
+        return state
+    taken = {id(given)} if isinstance(given, torch.Tensor) else {id(t) for t in (*given.rows, given.head)}
+
+    def own(t):
+        return t.view_as(t) if t is not None and id(t) in taken else t
+
+    return state._replace(rows=tuple(own(t) for t in state.rows), head=own(state.head))
 
 
 class FinalRead:

@@ -1,6 +1,7 @@
-"""FSDP2 per decoder layer (`apply_fsdp`) on 2 gloo ranks: a layer's full parameters exist only while it runs, forward
-and backward, and the loss and every gradient equal the one-process model's (the training curve is compared in
-test_data_parallel.py)."""
+"""FSDP2 per whole decoder layer (`apply_fsdp`) on 2 gloo ranks: a layer's full parameters exist only while it runs,
+forward and backward, and the loss and every gradient equal the one-process model's (the training curve is compared in
+test_data_parallel.py). A layer hands on the rows it does not change as views of its own; without them FSDP2 would
+gather a layer again when the backward reaches the layer that wrote those rows, and the checks below fail."""
 
 import pytest
 import torch
@@ -44,8 +45,9 @@ def batch() -> torch.Tensor:
 
 
 class FullParams:
-    """Watches the full (gathered) parameters of every decoder layer's group: FSDP registers them on the bodies while
-    the group is gathered; kept here by reference, their storage is empty once FSDP frees them."""
+    """Watches the full (gathered) parameters of every decoder layer's group, as its sublayer bodies see them: FSDP
+    registers them on the modules while the group is gathered; kept here by reference, their storage is empty once
+    FSDP frees them."""
 
     def __init__(self, model):
         self.bodies = [[getattr(layer, side.body) for side in layer.sides] for layer in model.model.layers]
