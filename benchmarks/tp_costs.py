@@ -100,7 +100,7 @@ def prefill(model, input_ids) -> tuple[int, dict[str, int]]:
     with torch.no_grad():
         model(input_ids)  # warm-up: DTensor's first call of an op runs its sharding propagation on the global shapes
     with torch.no_grad(), FlopCounterMode(display=False) as flops, LocalShards():
-        model(input_ids)  # no gradient: the fused bank path, one [tokens, NB, d] bank
+        out = model(input_ids, output_residual_state=True)  # no gradient: the fused bank path, one [tokens, NB, d] bank
     counts = flops.get_flop_counts()
 
     def total(pattern: str) -> int:
@@ -111,7 +111,7 @@ def prefill(model, input_ids) -> tuple[int, dict[str, int]]:
              "mlp": r".*\.layers\.\d+\.mlp", "model": "Global"}
     counted = {kind: total(pattern) for kind, pattern in kinds.items()}
     counted["attention_scores_and_values"] = counted["attention"] - counted.pop("attention_projections")
-    return state.stream.bank.nbytes, counted
+    return out.residual_state.rows[0].nbytes, counted
 
 
 def step_memory(model, input_ids) -> dict:

@@ -110,7 +110,9 @@ def apply_fsdp(model: nn.Module) -> nn.Module:
     # FSDP2 warns about every view a group returns, since an in-place op on it would skip its hook; a layer's views
     # (the rows it hands on) are never written in place while gradients are recorded
     warnings.filterwarnings(
-        "ignore", message=r"FSDP2-wrapped module \(FSDPAttnResDecoderLayer\) returned a view tensor", category=UserWarning
+        "ignore",
+        message=r"FSDP2-wrapped module \(FSDPAttnResDecoderLayer\) returned a view tensor",
+        category=UserWarning,
     )
     for layer in layers:
         fully_shard(layer)

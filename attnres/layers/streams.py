@@ -377,7 +377,11 @@ def make_stream(
 
 
 def resume_stream(
-    residual: str, state: ResidualState, layer: int, num_layers: int, points: Mapping[int, DepthAttention] | None = None,
+    residual: str,
+    state: ResidualState,
+    layer: int,
+    num_layers: int,
+    points: Mapping[int, DepthAttention] | None = None,
     **options,
 ) -> ResidualStream:
     """The stream of decoder `layer` alone (`num_layers`: the final read), continuing from the `state` that layers

@@ -71,7 +71,9 @@ class Sublayer:
     def from_config(cls, entry: dict) -> Sublayer:
         names = {f.name for f in fields(cls)}
         if not isinstance(entry, dict) or set(entry) != names:
-            raise ValueError(f"attn_res_layer_plan: expected each side as a dict with keys {sorted(names)}, got {entry!r}")
+            raise ValueError(
+                f"attn_res_layer_plan: expected each side as a dict with keys {sorted(names)}, got {entry!r}"
+            )
         return cls(**{**entry, "body_args": tuple(entry["body_args"]), "post": tuple(tuple(p) for p in entry["post"])})
 
 
@@ -230,7 +232,9 @@ def layer_parameters(layer_cls: type) -> dict[str, inspect.Parameter]:
     return {n: p for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self"}
 
 
-def run_sublayer(layer: nn.Module, side: Sublayer, x: torch.Tensor, kwargs: dict, layer_args: frozenset) -> torch.Tensor:
+def run_sublayer(
+    layer: nn.Module, side: Sublayer, x: torch.Tensor, kwargs: dict, layer_args: frozenset
+) -> torch.Tensor:
     """The sublayer's output v (what the family adds to its residual) for the normed input `x`; `layer_args`: the
     family layer forward's own argument names (the rest of `kwargs` reach a `body_extra` body)."""
     body = getattr(layer, side.body)

@@ -136,7 +136,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
                 f"those families only"
             )
         dim, eps = config.hidden_size, _key_norm_eps(config.text_config)
-        base.layers = nn.ModuleList(AttnResDecoderLayer(layer, i, config, dim, eps) for i, layer in enumerate(base.layers))
+        layers = (AttnResDecoderLayer(layer, i, config, dim, eps) for i, layer in enumerate(base.layers))
+        base.layers = nn.ModuleList(layers)
         if config.attn_res_layer_plan is not None:
             sides = tuple(Sublayer.from_config(entry) for entry in config.attn_res_layer_plan)
             for layer in base.layers:
@@ -187,7 +188,9 @@ class AttnResPreTrainedModel(PreTrainedModel):
         for layer in self.model.layers:
             layer.install_plan(sides)
 
-    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=checkpoint, every_n_layers=1):
+    def _set_gradient_checkpointing(
+        self, enable: bool = True, gradient_checkpointing_func=checkpoint, every_n_layers: int = 1
+    ):
         """transformers' switch (whole decoder layers), with a checkpointing function that takes the layers' state
         (a structure of tensors) as flat tensors: so reentrant checkpointing gives every state tensor its gradient."""
         super()._set_gradient_checkpointing(enable, flat_tensor_checkpoint(gradient_checkpointing_func), every_n_layers)

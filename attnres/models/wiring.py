@@ -138,8 +138,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             for name in (side.norm, side.body, *(n for n, _ in side.post)):
                 if not isinstance(getattr(self, name, None), nn.Module):
                     raise ValueError(
-                        f"attn_res_layer_plan: names {name!r}, which the {self.family_layer_cls.__name__} decoder layer "
-                        f"does not have"
+                        f"attn_res_layer_plan: names {name!r}, which the {self.family_layer_cls.__name__} decoder "
+                        f"layer does not have"
                     )
         self.sides = tuple(sides)
         self._family_norms = {side.norm: type(getattr(self, side.norm)) for side in sides}

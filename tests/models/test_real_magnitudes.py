@@ -50,14 +50,17 @@ def logits(model, ids=IDS) -> torch.Tensor:
 
 
 
+MAGNITUDE_IDS = [f"{d}-{m:g}".replace("torch.", "") for d, m in MAGNITUDES]
+
+
 @pytest.mark.parametrize("residual", ["block", "full"])
-@pytest.mark.parametrize("dtype, magnitude", MAGNITUDES, ids=[f"{d}-{m:g}".replace("torch.", "") for d, m in MAGNITUDES])
+@pytest.mark.parametrize("dtype, magnitude", MAGNITUDES, ids=MAGNITUDE_IDS)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_massive_activations_convert_exactly_and_load_without_a_probe(family, dtype, magnitude, residual, tmp_path,
                                                                     monkeypatch):
     oracle = massive_model(family, dtype, magnitude)
     oracle.save_pretrained(tmp_path / "original")
-    original = AutoModelForCausalLM.from_pretrained(tmp_path / "original", dtype=dtype).eval()  # as real checkpoints load
+    original = AutoModelForCausalLM.from_pretrained(tmp_path / "original", dtype=dtype).eval()  # as checkpoints load
     converted = convert_from_hf(original, residual, attn_res_block_size=2)
     want, theirs, ours = logits(oracle), logits(original), logits(converted)
     their_error = (theirs - want).abs().max().item()

@@ -216,22 +216,24 @@ inline void dot_rows(const typename K::raw* const* x, int64_t count, const std::
 }
 
 // dst = scale * dst + sum_j p[j] x_j over `count` rows (dst is read only when `rescale`): a block of dst stays in
-// registers while the rows stream past.
+// registers while the rows stream past. Blocks of kUnroll registers, then single registers (d = 96 with 16 fp32
+// lanes leaves two), then scalars.
 template <class K, class A = typename K::acc>
 inline void mix_rows(const typename K::raw* const* x, const A* p, int64_t count, bool rescale, A scale, int64_t d,
                      A* dst) {
-  constexpr int64_t w = kWidth<A>, block = kUnroll * w;
-  int64_t i = 0;
-  for (; i + block <= d; i += block) {
-    Vec<A> blk[kUnroll];
-    for (int64_t k = 0; k < kUnroll; ++k)
-      blk[k] = rescale ? splat(scale) * Plain<A>::vload(dst + i + k * w) : Vec<A>{};
+  constexpr int64_t w = kWidth<A>;
+  auto mix_block = [&]<int64_t U>(int64_t i) {
+    Vec<A> blk[U];
+    for (int64_t k = 0; k < U; ++k) blk[k] = rescale ? splat(scale) * Plain<A>::vload(dst + i + k * w) : Vec<A>{};
     for (int64_t j = 0; j < count; ++j) {
       const Vec<A> pj = splat(p[j]);
-      for (int64_t k = 0; k < kUnroll; ++k) blk[k] += pj * K::vload(x[j] + i + k * w);
+      for (int64_t k = 0; k < U; ++k) blk[k] += pj * K::vload(x[j] + i + k * w);
     }
-    for (int64_t k = 0; k < kUnroll; ++k) Plain<A>::vstore(dst + i + k * w, blk[k]);
-  }
+    for (int64_t k = 0; k < U; ++k) Plain<A>::vstore(dst + i + k * w, blk[k]);
+  };
+  int64_t i = 0;
+  for (; i + kUnroll * w <= d; i += kUnroll * w) mix_block.template operator()<kUnroll>(i);
+  for (; i + w <= d; i += w) mix_block.template operator()<1>(i);
   for (; i < d; ++i) {
     A v = rescale ? scale * dst[i] : A(0);
     for (int64_t j = 0; j < count; ++j) v += p[j] * K::load(x[j][i]);
@@ -421,13 +423,24 @@ void backward_kernel(Rows<const typename K::raw> grad_out, const typename K::acc
       if (out_w != nullptr) {  // backward of the output norm: dm becomes the gradient reaching the mixture
         mix_rows<K>(x.data(), alpha.data(), n_src, false, A(0), d, mix.data());
         const A r = rsqrt(sum_squares(mix.data(), d) / A(d) + A(out_eps));
-        A am = 0;
-        for (int64_t i = 0; i < d; ++i) {
+        Vec<A> amv = {};
+        int64_t i = 0;
+        for (; i + w <= d; i += w) {
+          const Vec<A> dmv = P::vload(dm.data() + i), mv = P::vload(mix.data() + i);
+          P::vstore(dw_acc + i, P::vload(dw_acc + i) + dmv * mv * splat(r));
+          amv += dmv * P::vload(out_w + i) * mv;
+        }
+        A am = hsum<A>(amv);
+        for (; i < d; ++i) {
           dw_acc[i] += dm[i] * mix[i] * r;
           am += dm[i] * out_w[i] * mix[i];
         }
         const A k = r * r * r * am / A(d);
-        for (int64_t i = 0; i < d; ++i) dm[i] = r * dm[i] * out_w[i] - k * mix[i];
+        for (i = 0; i + w <= d; i += w) {
+          const Vec<A> scaled = splat(r) * P::vload(dm.data() + i) * P::vload(out_w + i);
+          P::vstore(dm.data() + i, scaled - splat(k) * P::vload(mix.data() + i));
+        }
+        for (; i < d; ++i) dm[i] = r * dm[i] * out_w[i] - k * mix[i];
       }
       // softmax backward: ds_j = alpha_j (g_j - sum_k alpha_k g_k), g_j = dm . x_j (+ the weights' own gradient)
       dot_rows<K>(x.data(), n_src, y, 2, d, scratch.data(), dots.data(), nullptr);
@@ -442,21 +455,23 @@ void backward_kernel(Rows<const typename K::raw> grad_out, const typename K::acc
         shrink[j] = coef[j] * (dots[2 * j] * r) * r / A(d);  // ... and reaching x_j through its rstd
       }
       // dx_j = alpha_j dm + coef_j c - shrink_j x_j and dc += coef_j x_j, one block of d at a time: the blocks of
-      // dm, c and dc stay in registers across the R rows
-      int64_t i = 0;
-      for (; i + block <= d; i += block) {
-        Vec<A> dmv[kUnroll], cv[kUnroll], dcv[kUnroll] = {};
-        for (int64_t k = 0; k < kUnroll; ++k) dmv[k] = P::vload(dm.data() + i + k * w), cv[k] = P::vload(c + i + k * w);
+      // dm, c and dc stay in registers across the R rows (blocks of kUnroll registers, then single ones)
+      auto dx_block = [&]<int64_t U>(int64_t i) {
+        Vec<A> dmv[U], cv[U], dcv[U] = {};
+        for (int64_t k = 0; k < U; ++k) dmv[k] = P::vload(dm.data() + i + k * w), cv[k] = P::vload(c + i + k * w);
         for (int64_t j = 0; j < n_src; ++j) {
           const Vec<A> a = splat(alpha[j]), cj = splat(coef[j]), sj = splat(shrink[j]);
-          for (int64_t k = 0; k < kUnroll; ++k) {
+          for (int64_t k = 0; k < U; ++k) {
             const Vec<A> xv = K::vload(x[j] + i + k * w);
             K::vstore(dx[j] + i + k * w, a * dmv[k] + cj * cv[k] - sj * xv);
             dcv[k] += cj * xv;
           }
         }
-        for (int64_t k = 0; k < kUnroll; ++k) P::vstore(dc_acc + i + k * w, P::vload(dc_acc + i + k * w) + dcv[k]);
-      }
+        for (int64_t k = 0; k < U; ++k) P::vstore(dc_acc + i + k * w, P::vload(dc_acc + i + k * w) + dcv[k]);
+      };
+      int64_t i = 0;
+      for (; i + block <= d; i += block) dx_block.template operator()<kUnroll>(i);
+      for (; i + w <= d; i += w) dx_block.template operator()<1>(i);
       for (; i < d; ++i) {
         for (int64_t j = 0; j < n_src; ++j) {
           const A xv = K::load(x[j][i]);
