@@ -7,6 +7,8 @@ the data: each sublayer is a chain of children (its PreNorm, its body, any post-
 output is added, times a constant (Granite's residual multiplier), to the residual. Anything else (no PreNorm,
 parallel attention and MLP, more than two sublayers) is refused with a ValueError naming the family and the reason.
 The reading is then checked numerically: the plan, wired as the standard residual, must reproduce the family layer.
+Both run once, in float64 on a copy of each layer (`plan_decoder_layers`), when a model is converted or first built
+from a config; the plan is then kept in the config (`attn_res_layer_plan`), so a saved model loads without a probe.
 
 The transformers interfaces this relies on (pinned `transformers>=5,<6`; `tests/models/test_families.py` fails with
 a clear message when one changes):

@@ -1,11 +1,10 @@
-"""Activation checkpointing (issue 10 part 4): per sublayer, in `AttnResDecoderLayer._sublayer`.
+"""Activation checkpointing of whole decoder layers (`AttnResDecoderLayer` is transformers' `GradientCheckpointingLayer`).
 
 `model.activation_checkpointing_enable()` (transformers' older name: `gradient_checkpointing_enable()`), or
-`TrainingArguments(gradient_checkpointing=True)`, makes each attention and MLP sublayer recompute its internals in
-backward from its normed input; the residual stream's reads are not recomputed. The recompute runs the very same ops
-on the same inputs (and, with dropout, the same random state), so the loss and every gradient are bit for bit those
-without checkpointing, on one thread and on CPU: the tests assert exact equality. `benchmarks/activation_memory.py`
-measures the memory and time at a realistic size.
+`TrainingArguments(gradient_checkpointing=True)`, makes each decoder layer recompute itself in backward from the
+residual state it took. The recompute runs the very same ops on the same inputs (and, with dropout, the same random
+state), so the loss and every gradient are bit for bit those without checkpointing, on one thread and on CPU: the tests
+assert exact equality. `benchmarks/activation_memory.py` measures the memory and time at a realistic size.
 """
 
 from __future__ import annotations
