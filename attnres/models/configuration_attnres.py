@@ -28,8 +28,13 @@ LLAMA_DEFAULTS = dict(
 )
 # flat fields of configs written by attnres 0.1 that a Llama config cannot carry (they were Qwen2/Qwen3/Mistral)
 _LEGACY_FIELDS = {"qk_norm": False, "attention_output_bias": None, "sliding_window": None}
-# keys that belong to the composite config itself, never to the family's
-_OWN_KEYS = {f.name for f in fields(PreTrainedConfig)} | {"model_type", "torch_dtype", "num_labels"}
+# keys that belong to the composite config itself, never to the family's: its fields, and the settings transformers
+# passes every config as keywords (`from_pretrained(..., attn_implementation="eager")`), which it hands on to the
+# family's config itself
+_OWN_KEYS = {f.name for f in fields(PreTrainedConfig)} | {
+    "model_type", "torch_dtype", "num_labels", "attn_implementation", "experts_implementation", "output_attentions",
+    "name_or_path",
+}
 
 
 @strict(accept_kwargs=True)

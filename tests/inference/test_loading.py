@@ -121,3 +121,20 @@ def test_a_block_size_other_than_the_checkpoints_bank_layout_is_refused(tmp_path
     with pytest.raises(ValueError, match=message):
         AttnResForCausalLM.from_pretrained(folder, config=config(**overrides))
     assert AttnResForCausalLM.from_pretrained(folder, attn_res_block_size=2).config.attn_res_block_size == 2
+
+
+def test_from_pretrained_takes_the_attention_backend_asked_for(tmp_path):
+    """`attn_implementation="eager"` reaches the family's attention (it was taken for a family field and lost), so
+    `output_attentions=True` gives every layer's attention probabilities."""
+    torch.manual_seed(0)
+    AttnResForCausalLM(config()).save_pretrained(tmp_path)
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert eager.config._attn_implementation == eager.config.text_config._attn_implementation == "eager"
+    assert eager.model.layers[0].self_attn.config._attn_implementation == "eager"
+    default = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert default.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        out = eager(ids, output_attentions=True)
+        torch.testing.assert_close(out.logits, default(ids).logits)
+    assert len(out.attentions) == LAYERS and out.attentions[0].shape == (1, 4, 5, 5)
