@@ -38,7 +38,9 @@ def attnres_config_from_hf(
         text_config=text_config,
         residual=residual,
         # about the paper's N = 8 blocks; block size counts decoder layers
-        attn_res_block_size=attn_res_block_size or math.ceil(text_config.num_hidden_layers / 8),
+        attn_res_block_size=(
+            math.ceil(text_config.num_hidden_layers / 8) if attn_res_block_size is None else attn_res_block_size
+        ),
         **{"attn_res_rescale_mixture": True, **ours},
     )
     converted._attn_implementation = getattr(config, "_attn_implementation", None)
@@ -56,6 +58,11 @@ def convert_from_hf(
     """
     if not isinstance(model, PreTrainedModel) or model.get_output_embeddings() is None:
         raise TypeError(f"model: expected a transformers *ForCausalLM decoder model, got {type(model).__name__}")
+    if isinstance(model, AttnResForCausalLM):
+        raise ValueError(
+            f"model: it is already an AttnRes model (residual={model.config.residual!r}); convert the PreNorm original "
+            f"instead, or load this one with from_pretrained"
+        )
     # the plan of its decoder layers, read from the family's own layers and checked in float64 (a clear refusal
     # before any weight moves); the converted model keeps it in its config and never probes again
     sides = plan_decoder_layers(model, model.config.model_type)

@@ -241,3 +241,16 @@ def test_what_is_not_a_decoder_causal_lm_is_refused():
         attnres.convert_from_hf(gpt2)
     with pytest.raises(TypeError, match=r"model: expected a transformers \*ForCausalLM decoder model, got LlamaModel"):
         attnres.convert_from_hf(LlamaModel(LlamaConfig(**COMMON)))  # a base model without its head
+
+
+@pytest.mark.parametrize("block_size", [0, -2])
+def test_a_block_size_below_one_is_refused_not_replaced_by_the_default(block_size):
+    with pytest.raises(ValueError, match=f"attn_res_block_size: expected a positive number of decoder layers per block, "
+                                         f"got {block_size}"):
+        attnres.convert_from_hf(hf_model(), "block", attn_res_block_size=block_size)
+
+
+def test_an_attnres_model_is_refused_as_a_source():
+    converted = attnres.convert_from_hf(hf_model(), "block", attn_res_block_size=2)
+    with pytest.raises(ValueError, match="model: it is already an AttnRes model \\(residual='block'\\)"):
+        attnres.convert_from_hf(converted, "full")
