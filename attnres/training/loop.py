@@ -70,9 +70,8 @@ def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
     sizes = {k: config.ffn_size for k in family_fields if k.endswith("intermediate_size")}
     if "head_dim" in family_fields:
         sizes["head_dim"] = config.dim // config.heads
-    model_config = AttnResConfig(
-        base_model_type=config.base,
-        **sizes,
+    family = dict(
+        sizes,
         vocab_size=vocab_size,
         hidden_size=config.dim,
         num_hidden_layers=config.layers,
@@ -83,7 +82,11 @@ def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
-        **config.base_config,
+    )
+    family.update(config.base_config)  # the family's own fields, as given: they override the sizes above
+    model_config = AttnResConfig(
+        base_model_type=config.base,
+        **family,
         residual=config.residual,
         attn_res_block_size=config.block_size,
         attn_res_rescale_mixture=config.rescale_mixture,

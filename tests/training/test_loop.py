@@ -247,3 +247,12 @@ def test_activation_checkpointing_gives_the_same_run(tmp_path):
     checkpointed = train(tiny(tmp_path, name="ckpt", steps=3, activation_checkpointing=True))
     assert all(layer.gradient_checkpointing for layer in checkpointed.model.model.layers)
     assert checkpointed.final_val_loss == pytest.approx(plain.final_val_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("field, value", [("head_dim", 16), ("moe_intermediate_size", 24), ("vocab_size", 300)])
+def test_base_config_overrides_the_sizes_build_model_derives(tmp_path, field, value):
+    """`--base-config` fields win over the sizes derived from `--dim`, `--ffn` and the tokenizer (they raised "got
+    multiple values for keyword argument")."""
+    config = tiny(tmp_path, base="qwen3_moe", base_config={"num_experts": 4, "num_experts_per_tok": 2, field: value})
+    model = build_model(config, vocab_size=256)
+    assert getattr(model.config, field) == value
