@@ -109,7 +109,7 @@ def run(args) -> int:
         summary = compare(base, args.residuals, args.out, seeds=range(args.seed, args.seed + args.seeds),
                           noise_std=MEASURED_SEED_STD if args.seeds == 1 else None,
                           noise_source=MEASURED_SEED_STD_SOURCE if args.seeds == 1 else None)
-    except (ValueError, TrainingDiverged) as e:
+    except TrainingDiverged as e:  # a bad setting (ValueError) is the command line's one-line error
         print(f"attnres compare: error: {e}", file=sys.stderr)
         return 2
     print()
@@ -124,10 +124,6 @@ def run(args) -> int:
 def plot(args) -> int:
     from attnres.analysis.report import draw
 
-    try:
-        paths = draw(args.out)
-    except FileNotFoundError as e:
-        print(f"attnres plot: error: {e}", file=sys.stderr)
-        return 2
+    paths = draw(args.out)  # a missing folder (FileNotFoundError) is the command line's one-line error
     print("\n".join(str(p) for p in paths))
     return 0

@@ -46,6 +46,8 @@ def run(args) -> int:
     if dst.exists():
         raise ValueError(f"dst: {dst} already exists; choose a new folder")
     local_only = not args.allow_download
+    if local_only and not Path(args.src).exists() and not _in_hub_cache(args.src):
+        raise FileNotFoundError(f"src: no folder {args.src}; to fetch a Hugging Face Hub name, pass --allow-download")
     source = AutoModelForCausalLM.from_pretrained(args.src, local_files_only=local_only, trust_remote_code=False, dtype="auto")
     overrides = {"attn_res_rescale_mixture": False} if args.no_rescale else {}
     model = convert_from_hf(source, residual=args.residual, attn_res_block_size=args.block_size, **overrides)
@@ -79,3 +81,14 @@ def _source_tokenizer(src: str, local_only: bool):
         return AutoTokenizer.from_pretrained(src, local_files_only=local_only)
     except OSError:  # a Hub model without tokenizer files
         return None
+
+
+def _in_hub_cache(name: str) -> bool:
+    """Whether `name` is a Hugging Face Hub model already in the local cache (it loads without a network)."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except HFValidationError:  # not even a valid Hub name
+        return False

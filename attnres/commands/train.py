@@ -153,11 +153,8 @@ def run(args) -> int:
     from attnres.distributed import RankFailed
     from attnres.training import TrainingDiverged, train
 
-    try:
+    try:  # a bad setting (ValueError) is the command line's one-line error, like every command's
         result = train(config_from_args(args))
-    except ValueError as e:
-        print(f"attnres train: error: {e}", file=sys.stderr)
-        return 2
     except (TrainingDiverged, RankFailed) as e:
         print(f"attnres train: {e}", file=sys.stderr)
         return 1

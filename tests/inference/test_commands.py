@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -80,10 +81,10 @@ def test_generate_clamps_new_tokens_to_the_context_left(tiny_config, tmp_path, c
     model = byte_model(tiny_config, max_position_embeddings=16)
     model.save_pretrained(tmp_path)
     base = ["generate", "--model", str(tmp_path), "--temperature", "0"]
-    with pytest.raises(ValueError, match=r"prompt: its 21 tokens leave no room .* context of 16 positions"):
-        main(base + ["--prompt", "x" * 20])
-    with pytest.raises(ValueError, match=r"prompt: its 16 tokens leave no room"):
-        main(base + ["--prompt", "x" * 15])
+    assert main(base + ["--prompt", "x" * 20]) == 2
+    assert re.search(r"prompt: its 21 tokens leave no room .* context of 16 positions", capsys.readouterr().err)
+    assert main(base + ["--prompt", "x" * 15]) == 2
+    assert "prompt: its 16 tokens leave no room" in capsys.readouterr().err
     assert main(base + ["--prompt", "x" * 9]) == 0  # the default --max-new-tokens 128 on a 16-position model
     out, err = capsys.readouterr()
     assert "max_new_tokens 128 lowered to 6: the prompt's 10 tokens leave 6 of the model's 16 positions" in err
@@ -115,8 +116,31 @@ def test_convert_writes_an_attnres_folder_with_the_same_logits(tmp_path, capsys)
     with torch.no_grad():
         expected = source(ids).logits
         assert ((model(ids).logits - expected).norm() / expected.norm()).item() < 1e-5
-    with pytest.raises(ValueError, match="dst: .* already exists"):
-        main(["convert", str(src), str(dst)])
+    capsys.readouterr()
+    assert main(["convert", str(src), str(dst)]) == 2  # an expected mistake: one line on stderr, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("attnres convert: error: dst: ") and "already exists" in err and err.count("\n") == 1
+    with pytest.raises(ValueError, match="dst: .* already exists"):  # --debug shows the traceback
+        main(["convert", str(src), str(dst), "--debug"])
     main(["convert", str(src), str(tmp_path / "full"), "--residual", "full", "--no-rescale"])
     full = AutoModelForCausalLM.from_pretrained(tmp_path / "full").config
     assert full.residual == "full" and not full.attn_res_rescale_mixture
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["convert", "no_such_dir", "out"], "src: no folder no_such_dir; to fetch a Hugging Face Hub name, pass --allow-download"),
+    (["train", "--steps", "0"], "steps"),
+])
+def test_an_expected_mistake_is_one_line_on_stderr_and_exit_status_2(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("ATTNRES_DEBUG", raising=False)
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert out.err.startswith(f"attnres {argv[0]}: error: ") and message in out.err, out.err
+    assert out.err.count("\n") == 1 and "Traceback" not in out.err
+    monkeypatch.setenv("ATTNRES_DEBUG", "1")
+    with pytest.raises((ValueError, OSError)):
+        main(argv)
+    monkeypatch.delenv("ATTNRES_DEBUG")
+    with pytest.raises((ValueError, OSError)):
+        main(["--debug", *argv])

@@ -159,7 +159,7 @@ def test_generate_reads_the_runs_final_folder_or_its_last_checkpoint(run, tmp_pa
         (older / name).unlink()
     older.joinpath("config.json").write_text((out / "config.json").read_text())
     with pytest.raises(ValueError, match="has neither a final/ folder nor a checkpoint yet"):
-        main(["generate", "--model", str(older), *args])
+        main(["generate", "--model", str(older), *args, "--debug"])
 
 
 def test_overwrite_removes_the_final_folder(run, tmp_path):
