@@ -160,11 +160,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
         embedding for layer 0, masks and rotary embeddings for every layer), from its own forward with no layer run:
         what a caller that runs a range of layers itself (a pipeline stage) passes them."""
         records = Records(layer_inputs=[])
-        token = ACTIVE_RECORDS.set(records)
-        try:
-            self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, use_cache=False)
-        finally:
-            ACTIVE_RECORDS.reset(token)
+        self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, use_cache=False, attn_res_records=records)
         return records.layer_inputs
 
     def final_read(self, state: ResidualState) -> torch.Tensor:
@@ -239,7 +235,10 @@ class AttnResPreTrainedModel(PreTrainedModel):
         return cache, use_cache, Records(reads=reads, depth=output_depth_weights, hidden=hidden, capture=tuple(capture))
 
     def _run(self, forward, records: Records | None, output_cls, **kwargs):
-        """`forward(**kwargs)` (the family's) with `records` active, and its output with the AttnRes fields added."""
+        """`forward(**kwargs)` (the family's) with `records` handed to the layers and active for the final read, and
+        its output with the AttnRes fields added."""
+        if records is not None:
+            kwargs["attn_res_records"] = records
         token = ACTIVE_RECORDS.set(records)
         try:
             output = forward(**kwargs)
@@ -334,8 +333,12 @@ def _with_records(output, records: Records | None, output_cls, num_layers: int):
         return output_cls(**output)
     fields = dict(output)
     if records.hidden:
-        entries = [records.mixtures_read.get(i) for i in range(num_layers)] + [records.final_normed]
-        fields["hidden_states"] = tuple(e if i in records.hidden else None for i, e in enumerate(entries))
+        def entry(i: int) -> torch.Tensor | None:
+            if i not in records.hidden:
+                return None
+            return records.final_normed if i == num_layers else records.mixtures_read[i]
+
+        fields["hidden_states"] = tuple(entry(i) for i in range(num_layers + 1))
     return output_cls(
         **fields,
         depth_weights=[records.weights[k] for k in sorted(records.weights)] if records.depth else None,

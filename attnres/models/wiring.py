@@ -9,7 +9,10 @@ reads only its own parameters, so whatever wraps a whole layer (activation check
 works on it. The final read (`FinalRead`) turns the last state into the mixture the family's final norm normalises.
 
 What a forward is asked to record (hidden states, depth weights, drafter captures) is output, not state: a `Records`
-collector, keyed by layer and point, so that a layer recomputed under activation checkpointing overwrites its own.
+collector, keyed by layer and point. The model's forward hands it to the layers as the keyword argument
+`attn_res_records` (only when something is recorded), so that activation checkpointing replays a layer with it: the
+recompute reads the same way (unfused where a mixture is kept) and overwrites its own entries. The final read, which
+is no checkpointed layer, finds it in `ACTIVE_RECORDS`.
 """
 
 from __future__ import annotations
@@ -87,7 +90,8 @@ class Records:
             self.mixtures[first_point + j] = m
 
 
-# the records of the forward running now (set by the model's forward, as transformers' own output collector)
+# the records of the forward running now, for the final read (set by the model's forward, as transformers' own
+# output collector)
 ACTIVE_RECORDS = CompileableContextVar("attn_res_records")
 
 
@@ -144,16 +148,18 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.sides = tuple(sides)
         self._family_norms = {side.norm: type(getattr(self, side.norm)) for side in sides}
 
-    def forward(self, hidden_states: torch.Tensor | ResidualState, **kwargs) -> ResidualState:
+    def forward(
+        self, hidden_states: torch.Tensor | ResidualState, attn_res_records: Records | None = None, **kwargs
+    ) -> ResidualState:
         """hidden_states: the residual state (layer 0: the family's embedding `[batch, seq, d]`; any later layer: the
-        `ResidualState` the layer before returned); kwargs: the family layer's own (masks, rotary embeddings, cache).
-        Returns the state after this layer's two sublayers."""
+        `ResidualState` the layer before returned); attn_res_records: what the forward records; kwargs: the family
+        layer's own (masks, rotary embeddings, cache). Returns the state after this layer's two sublayers."""
         if self.sides is None:
             raise RuntimeError(
                 "attn_res_layer_plan: the model was built on the meta device from a config without a layer plan; call "
                 "model.plan_layers() once its weights are materialized"
             )
-        records = ACTIVE_RECORDS.get()
+        records = attn_res_records
         if records is not None and records.layer_inputs is not None:
             records.layer_inputs.append((hidden_states, kwargs))
             return hidden_states

@@ -148,3 +148,26 @@ def test_checkpointed_step_keeps_about_what_transformers_llama_keeps(residual, l
     model.activation_checkpointing_enable()
     ratio = saved_bytes(model, _long_ids()) / llama_checkpointed_bytes
     assert ratio <= AIMS[residual], ratio
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_a_checkpointed_step_that_records_replays_the_same_reads(residual, use_reentrant):
+    """Hidden states and depth weights read the mixtures unfused; the recompute in backward must read them the same
+    way (else torch's checkpoint finds other saved tensors), and everything equals the step without checkpointing."""
+    model = make_model(residual).train()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=IDS, labels=IDS, output_hidden_states=True, output_depth_weights=True)
+        out.loss.backward()
+        return out, {name: p.grad for name, p in model.named_parameters()}
+
+    want, want_grads = step()
+    model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+    got, grads = step()
+    assert_same_step((got.loss.detach(), grads), (want.loss.detach(), want_grads))
+    for g, w in zip(got.hidden_states, want.hidden_states, strict=True):
+        assert torch.equal(g, w)
+    for g, w in zip(got.depth_mixtures, want.depth_mixtures, strict=True):
+        assert torch.equal(g, w)
