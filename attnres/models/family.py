@@ -130,13 +130,15 @@ def _refuse(family: str, reason: str) -> FamilyRefused:
     )
 
 
-def _scale(added: torch.Tensor, output: torch.Tensor, layer: nn.Module) -> float | None:
-    """The constant c with added == c * output (up to rounding), or None. Where the layer holds that constant as an
-    attribute (Granite's `residual_multiplier`), its exact value; 1.0 for a plain residual add."""
+def _scale(after: torch.Tensor, residual: torch.Tensor, output: torch.Tensor, layer: nn.Module) -> float | None:
+    """The constant c with after == residual + c * output (up to rounding), or None. Where the layer holds that
+    constant as an attribute (Granite's `residual_multiplier`), its exact value; 1.0 for a plain residual add. The
+    difference `after - residual` carries the float64 rounding of the residual's magnitude, so the bound does too."""
     tol = FLOAT64_TOLERANCE
-    a, o = added.double().flatten(), output.double().flatten()
+    a, o = (after.double() - residual.double()).flatten(), output.double().flatten()
     c = float((a @ o) / (o @ o))
-    if not torch.allclose(a, c * o, rtol=tol, atol=tol * float(o.abs().max())):
+    rounding = 8 * torch.finfo(torch.float64).eps * float(residual.double().abs().max())
+    if not torch.allclose(a, c * o, rtol=tol, atol=tol * float(o.abs().max()) + rounding):
         return None
     for exact in (1.0, *(v for v in vars(layer).values() if isinstance(v, float))):
         if abs(c - exact) <= tol * abs(exact):
@@ -187,7 +189,7 @@ def plan_layer(
         nxt = calls[i].input if i < len(calls) else out
         if any(c.input is hidden for c in calls[i:]) or any(c.input is chain[0].output for c in calls[i:]):
             raise _refuse(family, "feeds its attention and its MLP the same input (a parallel residual)")
-        scale = _scale(nxt.double() - residual.double(), chain[-1].output, layer)
+        scale = _scale(nxt, residual, chain[-1].output, layer)
         if scale is None:
             raise _refuse(family, f"does not add the output of {chain[-1].name!r} to the residual")
         sides.append(_sublayer(layer, layer_cls, family, dim, chain, scale, kwargs))
@@ -309,9 +311,11 @@ def plan_and_check_layer(
         sides = plan_layer(copy64, layer_cls, family, h.shape[-1], h, kw)
         want = layer_cls.forward(copy64, h, **kw)
         got, args = h, frozenset(layer_parameters(layer_cls))
+        scale = max(float(h.abs().max()), float(want.abs().max()))  # the largest magnitude the sums round at
         for side in sides:
-            got = got + run_sublayer(copy64, side, getattr(copy64, side.norm)(got), kw, args)
-    scale = max(float(h.abs().max()), float(want.abs().max()))
+            output = run_sublayer(copy64, side, getattr(copy64, side.norm)(got), kw, args)
+            got = got + output
+            scale = max(scale, float(output.abs().max()), float(got.abs().max()))
     if not torch.allclose(got, want, rtol=FLOAT64_TOLERANCE, atol=FLOAT64_TOLERANCE * scale):
         raise _refuse(
             family,

@@ -117,3 +117,12 @@ def test_a_plan_naming_a_missing_module_is_refused():
         AttnResForCausalLM(AttnResConfig(**TINY, residual="block", attn_res_layer_plan=plan))
     with pytest.raises(ValueError, match="attn_res_layer_plan: expected the two sides"):
         AttnResConfig(**TINY, attn_res_layer_plan=plan[:1])
+
+
+@pytest.mark.parametrize("magnitude", [1e6, 1e9])
+def test_the_plan_check_bounds_follow_the_residual_at_any_magnitude(magnitude):
+    """The plan's checks run in float64 with bounds that include the residual's own rounding: a residual channel far
+    beyond any real checkpoint's still converts (in fp32, where the original model itself still runs)."""
+    original = massive_model("llama", torch.float32, magnitude).float()
+    converted = convert_from_hf(original, "block", attn_res_block_size=2)
+    assert [side["body"] for side in converted.config.attn_res_layer_plan] == ["self_attn", "mlp"]
