@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from attnres.layers.streams import ResidualState
 from attnres.distributed.data_parallel import (
     RankFailed, collective, collective_device, is_collective_error, lost_rank_message,
 )
+from attnres.layers.streams import ResidualState
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 

@@ -35,11 +35,11 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from attnres.models.configuration_attnres import AttnResConfig
-from attnres.models.loading import check_bank_layout, check_loaded_weights, saved_config
 from attnres.layers import KeyNorm, NamedPoint, PseudoQuery
-from attnres.models.family import Sublayer, plan_decoder_layers
 from attnres.layers.streams import ResidualState
+from attnres.models.configuration_attnres import AttnResConfig
+from attnres.models.family import Sublayer, plan_decoder_layers
+from attnres.models.loading import check_bank_layout, check_loaded_weights, saved_config
 from attnres.models.wiring import (
     ACTIVE_RECORDS,
     OUTPUT_POINT,
@@ -139,9 +139,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
         layers = (AttnResDecoderLayer(layer, i, config, dim, eps) for i, layer in enumerate(base.layers))
         base.layers = nn.ModuleList(layers)
         if config.attn_res_layer_plan is not None:
-            sides = tuple(Sublayer.from_config(entry) for entry in config.attn_res_layer_plan)
-            for layer in base.layers:
-                layer.install_plan(sides)
+            _install_plan(base, tuple(Sublayer.from_config(entry) for entry in config.attn_res_layer_plan))
         self.final_point = () if config.residual == "standard" else add_points(base, (OUTPUT_POINT,), dim, eps)
         final_read = FinalRead(config, self.final_point)
         base.norm.register_forward_pre_hook(final_read)
@@ -181,8 +179,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
             raise RuntimeError("plan_layers: the model's weights are still on the meta device; load them first")
         sides = plan_decoder_layers(self, self.config.base_model_type, layer_class=lambda layer: layer.family_layer_cls)
         _keep_plan(self.config, sides)
-        for layer in self.model.layers:
-            layer.install_plan(sides)
+        _install_plan(self.model, sides)
 
     def _set_gradient_checkpointing(
         self, enable: bool = True, gradient_checkpointing_func=checkpoint, every_n_layers: int = 1
@@ -262,9 +259,13 @@ class AttnResPreTrainedModel(PreTrainedModel):
                     )
 
 
-
 def _keep_plan(config: AttnResConfig, sides: tuple[Sublayer, Sublayer]) -> None:
     config.attn_res_layer_plan = [side.to_config() for side in sides]
+
+
+def _install_plan(base: nn.Module, sides: tuple[Sublayer, Sublayer]) -> None:
+    for layer in base.layers:
+        layer.install_plan(sides)
 
 
 def _routes_rows_hook(hook) -> bool:
