@@ -8,8 +8,12 @@ from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.activations import ACT2FN
-from transformers.configuration_utils import SubConfigSpec
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+try:  # transformers >= 5.18 describes sub-configs with specs; 5.17 with one config class per key
+    from transformers.configuration_utils import SubConfigSpec
+except ImportError:
+    SubConfigSpec = None
 
 from attnres.layers import RESIDUAL_KINDS
 
@@ -83,9 +87,12 @@ class AttnResConfig(PreTrainedConfig):
     """
 
     model_type = "attnres"
-    sub_configs_defaults = {
-        "text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama", init_kwargs=LLAMA_DEFAULTS)
-    }
+    if SubConfigSpec is None:
+        sub_configs = {"text_config": AutoConfig}
+    else:
+        sub_configs_defaults = {
+            "text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama", init_kwargs=LLAMA_DEFAULTS)
+        }
     keys_to_ignore_at_inference = ["cache", "depth_weights", "depth_mixtures", "captured_hidden_states"]
 
     text_config: dict | PreTrainedConfig | None = None
@@ -116,6 +123,8 @@ class AttnResConfig(PreTrainedConfig):
             defaults = LLAMA_DEFAULTS if base == "llama" else {}
             self.text_config = {**defaults, **(self.text_config or {}), **family, "model_type": base}
         try:  # builds the family's config, which validates its own fields; reads nothing through `__getattr__` yet
+            if isinstance(self.text_config, dict):  # built here: transformers 5.17 leaves a sub-config's dict as is
+                self.text_config = CONFIG_MAPPING[self.text_config["model_type"]](**self.text_config)
             super().__post_init__(**kwargs)
         except StrictDataclassClassValidationError as error:  # a ValueError with the family's own message
             raise ValueError(f"{base_name(self.text_config)}: {error.__cause__ or error}") from error
