@@ -148,7 +148,8 @@ def _(grad_out, m, z, u, prefix, c, out_norm_weight, eps, out_eps):
         return u.new_empty(0) if t is None else t.new_empty(t.shape, dtype=dtype)
 
     dx = grad_of(prefix, None if prefix is None else prefix.dtype)
-    return grad_of(u, u.dtype), grad_of(z, z.dtype), dx, grad_of(c, u.dtype), grad_of(out_norm_weight, u.dtype)
+    dc = grad_of(None if prefix is None else c, u.dtype)  # c is scored only with a prefix: empty without one
+    return grad_of(u, u.dtype), grad_of(z, z.dtype), dx, dc, grad_of(out_norm_weight, u.dtype)
 
 
 def recompute_stats_u(rows: list[torch.Tensor], c: torch.Tensor, m: torch.Tensor, eps: float) -> torch.Tensor:
