@@ -5,7 +5,7 @@ the forward and the forward+backward of the compiled kernel (`attnres.ops.cpu`) 
 and `torch.sum` over the same sources stacked (the cost of the plain residual sum: it reads the same bytes), and
 phase 1 of the two-phase computation (forward, and backward alone) for S queries over the same sources, kernel
 and torch path. The cases run round-robin, one call each per round, so that a change in the machine's load hits
-all of them alike; times are medians over the rounds. Effective GB/s use the bytes model of DESIGN section 8:
+all of them alike; times are medians over the rounds. Effective GB/s use the bytes model of docs/design.md section 9:
 every source read once and the output written once; the backward reads the sources and the output gradient and
 writes one gradient per source; phase 1 reads the sources once and writes the fp32 statistics u `[S, T, d]`, its
 backward reads the sources and the gradient of u and writes one gradient per source. "vs S x 1-shot" compares
@@ -19,7 +19,7 @@ of one call (median). The kernel asks for transparent huge pages for its outputs
 allocations under THP_MEM_ALLOC_ENABLE=1, so run once with and once without it to see how much of a difference is
 page faults.
 
-A process's timings can differ from the next one's for its whole life (issue 13 saw the fp32 forward at 0.9x or at
+A process's timings can differ from the next one's for its whole life (the fp32 forward has been seen at 0.9x or at
 2-3.5x `torch.sum` depending on the process), so `--processes N` runs the whole measurement in N fresh processes, one
 after another, and reports each case's spread over them (the median, least and most of the per-process medians, and of
 its ratio to `torch.sum`) beside every process's own figures.

@@ -2,7 +2,7 @@
 
 In one process, the two models share every standard weight (the AttnRes model adds its pseudo-queries and key
 gains, set to random values so the depth softmax is not uniform) and run without autograd, so Block AttnRes takes
-the fused bank path (DESIGN section 6). Measured, alternating the two models, median over repeats after warm-up:
+the fused bank path (docs/design.md section 5). Measured, alternating the two models, median over repeats after warm-up:
 - prefill: one forward over T tokens (batch 1), logits of the last position only (as `generate` asks);
 - decode: one step of `batch` new tokens after a KV cache of `context` tokens (T = batch for the stream), the
   cache trimmed back after each step so every step sees the same context.

@@ -3,7 +3,7 @@
 In one process, for each dtype: the forward and the forward+backward of the public operator, of the readable twin
 `attnres.naive_depth_attention`, and of `torch.sum` over the same sources stacked `[R, T, d]` (the plain residual
 sum, the cost AttnRes replaces). Times are medians over repeats, after warm-up. Effective GB/s use one bytes model
-for every row (DESIGN section 8: the aggregation is memory-bound): the forward reads R*T*d*e bytes and writes
+for every row (docs/design.md section 9: the aggregation is memory-bound): the forward reads R*T*d*e bytes and writes
 T*d*e; the backward reads the sources and the output gradient and writes one gradient per source, (2R+1)*T*d*e.
 
     python benchmarks/bench_op.py                           # R=9, T=1024, d=2048, fp32 and bf16 (~1 min on 2 cores)

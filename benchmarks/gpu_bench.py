@@ -4,13 +4,13 @@ phase 2 (`merge_prefix`, forward + backward) against the composition it replaced
 
 For each shape: the forward and the backward of `attnres.ops.triton` and of `fla.ops.attnres.fused_attnres` on the
 same inputs (their outputs are compared first), timed as medians of `triton.testing.do_bench` after warm-up and
-autotuning. Effective bandwidth uses one bytes model for every row (DESIGN section 8, the floor of a memory-bound
-op): the forward reads R sources and writes the output, (R+1)*N*d*e bytes; the backward reads the sources and the
-output gradient and writes R gradients, (2R+1)*N*d*e. It is printed in GB/s and as a fraction of the HBM peak,
+autotuning. Effective bandwidth uses one bytes model for every row (docs/design.md section 9, the floor of a
+memory-bound op): the forward reads R sources and writes the output, (R+1)*N*d*e bytes; the backward reads the sources
+and the output gradient and writes R gradients, (2R+1)*N*d*e. It is printed in GB/s and as a fraction of the HBM peak,
 beside the device-to-device copy bandwidth measured first, and the speed-ups over fla.
 
-Inference points (DESIGN section 6), bf16, with the pending add and the fused PreNorm: a read point over all NB bank
-rows and the prefix, a write point over NB - 1 rows that also writes the prefix as row NB - 1, and a phase-2 merge.
+Inference points (docs/design.md section 5), bf16, with the pending add and the fused PreNorm: a read point over all NB
+bank rows and the prefix, a write point over NB - 1 rows that also writes the prefix as row NB - 1, and a phase-2 merge.
 Their bytes models count what each must touch: a read point reads nvb rows, the prefix and the output and writes the
 prefix and the result, (nvb + 4)*N*d*e; a write point also writes a bank row, (nvb + 5)*N*d*e; a merge reads the fp32
 statistics u, the prefix and the output and writes two rows, (4 + 4e)*N*d. The baseline of the fused aggregation is

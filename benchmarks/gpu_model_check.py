@@ -64,7 +64,7 @@ from attnres.training.checkpoint import atomic_write_text  # noqa: E402
 MIB = 2**20
 KERNEL_OPS = ("fwd", "bwd", "stats_fwd", "stats_bwd", "bank_aggregate", "bank_merge", "merge_fwd", "merge_bwd")
 OP_TESTS = ["tests/ops/test_triton.py", "tests/ops/test_triton_bank.py", "tests/ops/test_merge.py"]
-# issue 13's targets for the first GPU run
+# the targets a GPU run is held to
 TARGETS = {"op fwd of HBM peak": 0.85, "train block/standard": 1.03, "decode block/standard": 1.02}
 
 
@@ -624,7 +624,7 @@ def checks(stages: dict) -> list[dict]:
 
 
 def targets(stages: dict) -> list[dict]:
-    """Issue 13's targets, from what was measured (absent where the stage did not measure it)."""
+    """The targets, from what was measured (absent where the stage did not measure it)."""
     out = []
     rows = stages.get("op_hbm", {}).get("result", {}).get("rows", [])
     k3 = [r for r in rows if r["shape"] == rows[0]["shape"]] if rows else []

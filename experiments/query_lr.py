@@ -4,7 +4,7 @@ the budget study's largest budget.
 The budget study's setting (experiments/budget.py: WSD, 100 warm-up steps, peak lr 3e-3) on its 6-layer d=64 model,
 1200 steps, three seeds. The 0.1x runs and the standard baseline are the budget study's own (docs/budget.json, the
 same settings and seeds); this study trains the other multipliers. `attnres train --attn-res-lr-mult` defaults to
-0.1 (a 600-step measurement, DESIGN section 9); this checks it at twice that budget.
+0.1 (a 600-step measurement, docs/design.md section 10); this checks it at twice that budget.
 
     python experiments/query_lr.py                 # 0.3x and 1x, seeds 0 1 2, about 30 minutes
     python experiments/query_lr.py --mults 1 --seeds 0

@@ -2,7 +2,7 @@
 
 `attnres compare`'s model (6 layers, d=96, Block size 2) and data, 200 steps of 16 x 128 bytes, AdamW with a cosine
 decay to a tenth, the AttnRes parameters at `attnres train`'s 0.1x learning rate, seed 0. Peak lr 1e-3 to 1e-2, a
-short warm-up (20 steps, a tenth of the run: the old default) and a long one (100 steps, half of it). A run whose
+short warm-up (20 steps, a tenth of the run) and a long one (100 steps, half of it). A run whose
 loss or gradient norm becomes NaN or inf is recorded as diverged at that step; one that never gets below 2.9
 nats/byte as stuck. The steps a run spends on the plateau between 3.2 and 2.9 nats/byte (where short warm-ups stall
 PreNorm: docs/warmup_stall.md) measure a stall.

@@ -1,4 +1,4 @@
-"""Memory and traffic of the residual path (DESIGN section 8), to choose the number of blocks before training.
+"""Memory and traffic of the residual path (docs/design.md section 9), to choose the number of blocks before training.
 
 Symbols: T tokens of one forward, L sublayers (2 per decoder layer), N blocks, S = L / N sublayers per block,
 d hidden size, e bytes per element, P ranks sharing the tokens.

@@ -1,4 +1,4 @@
-"""The benchmark suite behind `attnres bench` (issue 6): operator, two-phase, fused inference and model-level cases,
+"""The benchmark suite behind `attnres bench`: operator, two-phase, fused inference and model-level cases,
 each timed side by side with its baselines in one process, reported against the machine's copy bandwidth."""
 
 from attnres.bench.suite import SuiteConfig, run_suite

@@ -1,7 +1,7 @@
 """Operator-level cases: each case times one piece of work by several implementations side by side.
 
 Every case names a reference (the plain residual `torch.sum` over the same stacked sources, or for model cases the
-standard model); ratios are times over the reference's. Bytes follow DESIGN section 8: the aggregation is
+standard model); ratios are times over the reference's. Bytes follow docs/design.md section 9: the aggregation is
 memory-bound and its floor is one read of its sources, so a forward over R sources `[T, d]` of e bytes moves
 (R + 1) * T * d * e bytes (R reads, one write) and a backward (2R + 1) * T * d * e (sources and output gradient
 read, one gradient per source written).
@@ -193,7 +193,7 @@ def stream_cases(cfg: SuiteConfig, dtype_name: str) -> list[CaseResult]:
 
 
 def bank_case(cfg: SuiteConfig, dtype_name: str, peer: CompiledPeer) -> CaseResult:
-    """The fused inference aggregation (DESIGN section 6) over R - 1 bank rows and the prefix, with the pending
+    """The fused inference aggregation (docs/design.md section 5) over R - 1 bank rows and the prefix, with the pending
     add and the sublayer PreNorm: `bank_aggregate` against its twin, `torch.sum` over R stacked sources and the
     compiled peer (mix and norm, without the add). Bytes: bank rows, prefix and output read, prefix and the
     normed mixture written, (R + 3) * T * d * e."""

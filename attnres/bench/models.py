@@ -75,7 +75,7 @@ def fast_norms(model: AttnResForCausalLM) -> int:
     plain norm there is: the fused kernel when training (torch's own rms_norm backward is decomposed into elementwise
     ops on CPU, about 4x slower at d=512), torch's fused `rms_norm` without autograd. Set as each module's forward on
     the instance, so its class, and with it the fusion of the AttnRes PreNorms, stays. The standard baseline then has
-    fused norms as AttnRes does (issue 13: the unfused Python norm made ratios below 1 partly the baseline's fault).
+    fused norms as AttnRes does (with the unfused Python norm, ratios below 1 would be partly the baseline's).
     Returns the number of norms replaced."""
     model.plan_layers()
     classes = {

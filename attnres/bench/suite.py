@@ -16,9 +16,9 @@ GROUPS = ("operator", "two-phase", "bank", "train", "prefill", "decode", "small"
 
 @dataclass(frozen=True)
 class SuiteConfig:
-    """Sizes of every case. Defaults: the operator at R = 9, T = 4096, d = 2048 (issue 6 item 2), a model with
-    d = 512, 8 decoder layers, T = 1024 (item 5), the residual streams of 32 layers at the model's T and d, and the
-    small model of `attnres compare` (issue 13 item 4). `family_norms` keeps the family's Python RMSNorm in the
+    """Sizes of every case. Defaults: the operator at R = 9, T = 4096, d = 2048, a model with
+    d = 512, 8 decoder layers, T = 1024, the residual streams of 32 layers at the model's T and d, and the
+    small model of `attnres compare`. `family_norms` keeps the family's Python RMSNorm in the
     models instead of the fastest plain norm (`models.fast_norms`)."""
 
     sources: int = 9  # R

@@ -1,6 +1,6 @@
 """`attnres convert`: turn a checkpoint of any PreNorm transformers decoder family (Llama, Mistral, Qwen, Gemma,
 DeepSeek-V3, ...) into an AttnRes model computing the same function (zero pseudo-queries with the mixture rescale,
-DESIGN section 3), ready to fine-tune."""
+docs/design.md section 2), ready to fine-tune."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ def register(sub) -> None:
                    help="AdamW weight decay of the weight matrices; norms, biases and embeddings get none (default: %(default)s)")
     o.add_argument("--attn-res-lr-mult", type=float, default=DEFAULTS["attn_res_lr_mult"],
                    help="learning-rate multiplier of the AttnRes pseudo-queries and key gains; at 1 the depth softmax "
-                   "saturates early and AttnRes loses at small scale (DESIGN section 9) (default: %(default)s)")
+                   "saturates early and AttnRes loses at small scale (docs/design.md section 10; default: %(default)s)")
     o.add_argument("--attn-res-weight-decay", type=float, default=DEFAULTS["attn_res_weight_decay"],
                    help="weight decay of the AttnRes parameters (default: %(default)s)")
     o.add_argument("--grad-clip", type=float, default=DEFAULTS["grad_clip"],

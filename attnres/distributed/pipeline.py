@@ -1,5 +1,5 @@
 """Pipeline parallel training on `torch.distributed.pipelining`, with the residual state sent between stages
-(DESIGN section 7).
+(docs/design.md section 8).
 
 The model is cut into C = P * V chunks of equal numbers of decoder layers (P ranks, V virtual stages each; chunk c
 runs on rank c mod P). Chunk 0 owns the embedding; the last chunk owns the final read, the final norm and the head.
@@ -8,7 +8,7 @@ already folded into the prefix: a stream's write adds at once), for Full the lis
 residual the hidden sum. Rows travel stacked as one `[n, b, T, d]` tensor, the head (prefix or hidden) as
 `[b, T, d]`, where b = batch / microbatches.
 
-Cross-stage caching (`cache_rows`, DESIGN section 7): with virtual stages the rank of chunk c + 1 ran chunk
+Cross-stage caching (`cache_rows`, docs/design.md section 8): with virtual stages the rank of chunk c + 1 ran chunk
 c + 1 - P on the same microbatch before, and keeps the rows that chunk ended with; the hop after chunk c sends only
 the rows past them. Rows per hop and microbatch, as implemented and tested (e_c = (c + 1) L / C layers done after
 chunk c; rows(e) = ceil(e / S) bank rows for Block with block size S in decoder layers, 2e + 1 sources for Full, 0

@@ -1,5 +1,5 @@
-"""Tensor + sequence parallel on `torch.distributed.tensor.parallel` (DESIGN section 7), applied onto an unchanged
-AttnRes model as torchtitan applies its TP plan.
+"""Tensor + sequence parallel on `torch.distributed.tensor.parallel` (docs/design.md section 8), applied onto an
+unchanged AttnRes model as torchtitan applies its TP plan.
 
 Inside each sublayer the family's own transformers TP plan (`base_model_tp_plan`: q/k/v and gate/up `ColwiseParallel`,
 o/down `RowwiseParallel`) splits the attention heads and the MLP columns over the P ranks of a 1-D `DeviceMesh`.

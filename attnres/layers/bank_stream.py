@@ -1,4 +1,4 @@
-"""Block AttnRes at inference (DESIGN section 6): the bank as one `[N, NB, d]` tensor, one fused call per point.
+"""Block AttnRes at inference (docs/design.md section 5): the bank as one `[N, NB, d]` tensor, one fused call per point.
 
 Same schedule and same numbers as `BlockStream`, without autograd: the bank lives for one forward (a prefill chunk
 or a decode step, N = tokens of the chunk or number of sequences), the prefix is carried as the ordinary residual

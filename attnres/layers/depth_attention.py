@@ -62,7 +62,7 @@ class KeyNorm(nn.Module):
 
 
 class DepthAttention(nn.Module):
-    """One aggregation point: a zero-initialised pseudo-query and a key RMSNorm gain (DESIGN sections 3 and 8).
+    """One aggregation point: a zero-initialised pseudo-query and a key RMSNorm gain (docs/design.md sections 2 and 9).
 
     `proj.weight` (`[1, d]`) and `norm.weight` (`[d]`) are the Kimi K3 `*_res_proj.weight` and `*_res_norm.weight`
     of the point's place in a model (`self_attention_res`, `mlp_res` or `output_attn_res`). Models register those
@@ -106,7 +106,8 @@ class DepthAttention(nn.Module):
         """c = g * w (`[d]`) in `dtype`, from the weights as they are now: computed at every call, never cached.
 
         One `[d]` multiply. A cache would have to know when a weight changed, and nothing reliable tells it: fused
-        optimizers and `.data` writes change a weight in place without bumping its version counter (DESIGN 11).
+        optimizers and `.data` writes change a weight in place without bumping its version counter (docs/design.md
+        section 11).
         """
         return fold_query(self.proj.weight, self.norm.weight, dtype)
 

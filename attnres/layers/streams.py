@@ -11,9 +11,9 @@ side of layer 0, MLP side of layer 0, ..., then the final read); the stream retu
 
 A stream can also run part of a forward: `stream.state()` between two decoder layers is a `ResidualState` of tensors,
 and `resume_stream` continues from one at any layer with only that layer's points. That is how a decoder layer takes
-its state and returns the new one (DESIGN section 14).
+its state and returns the new one (docs/design.md section 7).
 
-Schedules (DESIGN section 4; `points` holds the 2L + 1 aggregation points in schedule order):
+Schedules (docs/design.md section 3; `points` holds the 2L + 1 aggregation points in schedule order):
 - standard: h = v_0 + ... + v_{l-1}.
 - full: point l attends over [v_0 .. v_{l-1}].
 - block (Kimi K3 timing, `block_size` S in decoder layers): layer i is a write layer when i % S == 0; its attention
@@ -37,7 +37,7 @@ RESIDUAL_KINDS = ("standard", "full", "block")
 
 
 class ResidualState(NamedTuple):
-    """The residual state between two decoder layers (DESIGN section 14): what layer i hands layer i + 1.
+    """The residual state between two decoder layers (docs/design.md section 7): what layer i hands layer i + 1.
 
     rows: Block: the completed block summaries (the bank: a tuple of `[..., d]` rows; at inference one `[tokens, NB,
         d]` tensor, filled in place); Full: every source so far; standard: none.

@@ -1,4 +1,4 @@
-"""AttnResConfig: a transformers decoder family's own configuration plus the residual kind (DESIGN sections 4, 8, 13)."""
+"""AttnResConfig: a decoder family's own configuration plus the residual kind (docs/design.md sections 3, 6 and 9)."""
 
 from __future__ import annotations
 
@@ -70,11 +70,11 @@ class AttnResConfig(PreTrainedConfig):
             `num_hidden_layers` leaves a single block.
         attn_res_rescale_mixture (`bool`, defaults to False):
             Multiply each mixture by its number of sources before the sublayer PreNorm. With every pseudo-query zero
-            the model then computes exactly the function of the standard model with the same other weights (DESIGN
-            section 3). Off is the Kimi K3 form.
+            the model then computes exactly the function of the standard model with the same other weights
+            (docs/design.md section 2). Off is the Kimi K3 form.
         attn_res_two_phase (`bool` or None, defaults to None):
-            Block AttnRes only: score a block's completed summaries once for all its aggregation points (DESIGN
-            section 5). None chooses it whenever it saves reads.
+            Block AttnRes only: score a block's completed summaries once for all its aggregation points (docs/design.md
+            section 4). None chooses it whenever it saves reads.
         attn_res_layer_plan (`list` or None, defaults to None):
             What each decoder layer's two sublayers are in the family's own layer (PreNorm child, body, modules after
             the body, residual scale; `attnres.models.family.Sublayer`). Read and checked once, in float64, when a

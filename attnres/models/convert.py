@@ -3,9 +3,9 @@
 The AttnRes model is the family's own model with its decoder layers rewired (`attnres.models.family`), so every
 weight keeps its name and is copied key for key; the AttnRes parameters start at their init (zero pseudo-queries, unit
 key gains) and `attn_res_rescale_mixture` is on, which makes a zero-query AttnRes model compute exactly the PreNorm
-model's function (DESIGN section 3). The converted model gives the original's logits to fp32 rounding and its greedy
-generations; training then moves the queries. A family whose decoder layer is not a PreNorm residual of two sublayers
-(post-norm, parallel attention and MLP, ...) is refused with a ValueError naming it and the reason.
+model's function (docs/design.md section 2). The converted model gives the original's logits to fp32 rounding and its
+greedy generations; training then moves the queries. A family whose decoder layer is not a PreNorm residual of two
+sublayers (post-norm, parallel attention and MLP, ...) is refused with a ValueError naming it and the reason.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The adapter between a transformers decoder family and the AttnRes residual wiring (DESIGN section 13).
+"""The adapter between a transformers decoder family and the AttnRes residual wiring (docs/design.md section 6).
 
 An AttnRes model is the family's own model with each decoder layer's residual rewired. What a layer's two sublayers
 are is read from the family's own decoder layer, never from a list of names: `plan_layer` runs the family layer's

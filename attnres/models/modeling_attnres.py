@@ -1,5 +1,5 @@
 """AttnResForCausalLM: a transformers decoder family's own model whose residual path is a residual stream
-(DESIGN sections 3, 4, 6, 8 and 13).
+(docs/design.md sections 2, 3, 5, 6 and 9).
 
 `model` is the family's own base model (a `LlamaModel`, `Qwen3MoeModel`, ...: its embedding, rotary embeddings,
 masks, attention backends, caches and final norm), its decoder layers replaced by `AttnResDecoderLayer`s holding the
@@ -9,9 +9,9 @@ AttnRes parameters carry the Kimi K3 names: per decoder layer `self_attention_re
 `mlp_res_{proj,norm}`, and `model.output_attn_res_{proj,norm}` for the read before the final norm. The standard
 residual has none of them.
 
-Each decoder layer takes the residual state and returns the new one (`attnres.models.wiring`, DESIGN section 14); the
-state, and with it the Block bank, lives for one forward only (a prefill chunk or a decode step, DESIGN section 6);
-what generation keeps across steps is the attention's KV cache, exactly as in the family's model.
+Each decoder layer takes the residual state and returns the new one (`attnres.models.wiring`, docs/design.md section 7);
+the state, and with it the Block bank, lives for one forward only (a prefill chunk or a decode step, docs/design.md
+section 5); what generation keeps across steps is the attention's KV cache, exactly as in the family's model.
 
 `hidden_states` (`output_hidden_states=True`): entry l is what decoder layer l reads as its residual, the pre-norm
 mixture of its attention side (times the number of sources with `attn_res_rescale_mixture`, so that a zero-query
@@ -60,10 +60,11 @@ class AttnResModelOutput(BaseModelOutputWithPast):
         `[R_k, batch, seq]` over the R_k sources of point k (empty for "standard") and the pre-norm input
         `[batch, seq, hidden]` the point hands its norm (for "standard": the residual sum).
     captured_hidden_states (`capture_layers=[i, ...]`): for each listed decoder layer, in that order, the hidden state
-        an EAGLE-style drafter should see after it (DESIGN section 6): the pre-norm input `[batch, seq, hidden]` that
-        the next aggregation point (layer i + 1's attention side, or the final read after the last layer) hands its
-        norm, i.e. the mixture m of DESIGN section 3 (times the number of sources with `attn_res_rescale_mixture`), not
-        the block prefix. For "standard" it is the residual sum after layer i, the usual capture. Not detached.
+        an EAGLE-style drafter should see after it (docs/design.md section 5): the pre-norm input `[batch, seq, hidden]`
+        that the next aggregation point (layer i + 1's attention side, or the final read after the last layer) hands its
+        norm, i.e. the mixture m of docs/design.md section 2 (times the number of sources with
+        `attn_res_rescale_mixture`), not the block prefix. For "standard" it is the residual sum after layer i, the
+        usual capture. Not detached.
     residual_state (`output_residual_state=True`): the `ResidualState` the final read consumed (the bank and partial
         sum, every source, or the residual sum).
     router_logits: MoE families, as theirs.

@@ -2,9 +2,9 @@
 
 The family's own base model drives the layers (its embedding, scaling, masks, rotary embeddings and final norm stay
 the family's): it calls `hidden_states = layer(hidden_states, **kwargs)` layer after layer and hands the last output
-to its final norm. An AttnRes layer takes the residual state as that value and returns the new one (DESIGN section
-14): layer 0 takes the family's embedding (v_0) and every later layer the `ResidualState` of tensors that the layer
-before returned (Block: the bank and the partial sum; Full: every source; standard: the residual sum). Each layer
+to its final norm. An AttnRes layer takes the residual state as that value and returns the new one (docs/design.md
+section 7): layer 0 takes the family's embedding (v_0) and every later layer the `ResidualState` of tensors that the
+layer before returned (Block: the bank and the partial sum; Full: every source; standard: the residual sum). Each layer
 reads only its own parameters, so whatever wraps a whole layer (activation checkpointing, FSDP2, a pipeline stage)
 works on it. The final read (`FinalRead`) turns the last state into the mixture the family's final norm normalises.
 
@@ -184,7 +184,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             if not isinstance(state, torch.Tensor):
                 raise TypeError(f"hidden_states: decoder layer 0 starts from the embedding tensor, got {type(state)}")
             # no gradient and no backward to replay the layer (reentrant checkpointing runs it without one): the
-            # fused bank path (DESIGN section 6); every later layer follows the state it is handed
+            # fused bank path (docs/design.md section 5); every later layer follows the state it is handed
             inference = not torch.is_grad_enabled() and not (self.gradient_checkpointing and self.training)
             options = _stream_options(config, records, inference)
             stream = make_stream(config.residual, state, num_layers, points, **options)

@@ -1,4 +1,4 @@
-"""Fused inference aggregation over a bank of block summaries (DESIGN section 6).
+"""Fused inference aggregation over a bank of block summaries (docs/design.md section 5).
 
 The bank is `[N, NB, d]` (tokens first, so one token's rows are contiguous) and lives for one forward; `nvb` rows are
 valid. The prefix (the current block's partial sum) is carried between points as the ordinary residual, with the

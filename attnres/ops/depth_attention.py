@@ -1,4 +1,5 @@
-"""The depth-attention operator: one aggregation point of AttnRes (DESIGN section 3), with a hand-written backward.
+"""The depth-attention operator: one aggregation point of AttnRes (docs/design.md section 2), with a hand-written
+backward.
 
 Forward, per token:  s_j = (x_j . c) * rsqrt(mean(x_j^2) + eps),  alpha = softmax_j(s),  m = sum_j alpha_j x_j,
 with c = g * w the key gain folded into the pseudo-query, and optionally the sublayer PreNorm o * RMSNorm(m).
@@ -30,7 +31,8 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def fold_query(query: torch.Tensor, key_norm_weight: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
-    """c = g * w in the accumulator dtype (DESIGN 3 step 1): scoring against c equals scoring the RMS-normed key."""
+    """c = g * w in the accumulator dtype (docs/design.md section 2, step 1): scoring against c equals scoring the
+    RMS-normed key."""
     c = query.reshape(-1).to(acc)
     return c if key_norm_weight is None else c * key_norm_weight.to(acc)
 
@@ -210,7 +212,7 @@ def depth_attention(
     out_eps: float | None = None,
     return_weights: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    r"""Mix R sources by a softmax over depth (one AttnRes aggregation point, DESIGN section 3).
+    r"""Mix R sources by a softmax over depth (one AttnRes aggregation point, docs/design.md section 2).
 
     Args:
         sources: R >= 1 tensors of equal shape `[..., d]`, dtype (fp32, bf16, fp16 or fp64) and device, or one

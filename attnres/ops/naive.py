@@ -1,4 +1,4 @@
-"""Readable PyTorch twins of the depth-attention ops (DESIGN section 3 and 5), written straight from the math.
+"""Readable PyTorch twins of the depth-attention ops (docs/design.md sections 2 and 4), written straight from the math.
 
 They stack the sources in fp32 and let autograd differentiate them, so they are the reference the fast paths are
 tested against, not something to train with.

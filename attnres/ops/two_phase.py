@@ -1,4 +1,4 @@
-"""Two-phase depth attention (DESIGN section 5, the paper's Algorithm 1): an online softmax along depth.
+"""Two-phase depth attention (docs/design.md section 4, the paper's Algorithm 1): an online softmax along depth.
 
 Phase 1 scores S queries against a set of sources in one pass (each source read once, not S times) and keeps, per
 query and token, the softmax statistics of that set:

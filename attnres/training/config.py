@@ -36,7 +36,7 @@ class TrainConfig:
     base_config: dict = field(default_factory=dict)  # more fields of the family's config (e.g. num_experts)
     residual: str = "block"
     block_size: int = 2  # Block AttnRes block size, in decoder layers
-    rescale_mixture: bool = False  # `attn_res_rescale_mixture` (DESIGN section 3)
+    rescale_mixture: bool = False  # `attn_res_rescale_mixture` (docs/design.md section 2)
     layers: int = 6
     dim: int = 128
     heads: int = 4
@@ -54,7 +54,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
     decay_fraction: float = 0.2  # WSD: the share of the steps spent decaying
     weight_decay: float = 0.1
-    attn_res_lr_mult: float = 0.1  # DESIGN section 9: at 1.0 the depth softmax saturates and AttnRes loses
+    attn_res_lr_mult: float = 0.1  # docs/design.md section 10: at 1.0 the depth softmax saturates and AttnRes loses
     attn_res_weight_decay: float = 0.0
     grad_clip: float = 1.0  # 0 turns clipping off (the norm is still logged)
     seed: int = 0

@@ -3,7 +3,7 @@
 Groups:
 - `attn_res`: the pseudo-queries and key gains (Kimi K3 names `*_res_proj.*`, `*_res_norm.*`). Their own
   learning-rate multiplier and weight decay: at the matrices' rate the depth softmax saturates within a few
-  hundred steps and AttnRes loses; at a tenth of it AttnRes wins (DESIGN section 9).
+  hundred steps and AttnRes loses; at a tenth of it AttnRes wins (docs/design.md section 10).
 - `no_decay`: norms, biases (every parameter with fewer than 2 dims) and embedding tables.
 - `decay`: everything else (the weight matrices, and an untied output head).
 """

@@ -32,7 +32,8 @@ def test_profile_counts_sources_and_weights_sum_to_one(residual, sources):
     model = _model(residual)
     ids = torch.randint(0, 64, (2, 8))
     prof = depth_profile(model, ids)
-    assert [w.numel() for w in prof.weights] == sources  # Full: l + 1 sources; Block (S=2): DESIGN section 4 nvb + 1
+    # Full: l + 1 sources; Block (S=2): docs/design.md section 3 nvb + 1
+    assert [w.numel() for w in prof.weights] == sources
     for w in prof.weights:
         assert torch.all(w > 0) and torch.allclose(w.sum(), torch.tensor(1.0), atol=1e-5)
     assert prof.mixture_rms.shape == (2 * L + 1,) and prof.output_rms.shape == (2 * L,)

@@ -1,4 +1,4 @@
-"""The cost model reproduces the figures of DESIGN section 8 (Kimi K3 bank size, paper Table 1 traffic)."""
+"""The cost model reproduces the figures of docs/design.md section 9 (Kimi K3 bank size, paper Table 1 traffic)."""
 
 import pytest
 

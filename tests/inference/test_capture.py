@@ -1,4 +1,4 @@
-"""Drafter capture (DESIGN section 6): the hidden state after decoder layer i is the pre-norm mixture the next
+"""Drafter capture (docs/design.md section 5): the hidden state after decoder layer i is the pre-norm mixture the next
 aggregation point forms, checked against its definition with the naive op over the schedule's sources."""
 
 import pytest

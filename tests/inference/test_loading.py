@@ -17,7 +17,7 @@ def config(**overrides) -> AttnResConfig:
 
 
 def k3_tensors() -> dict[str, torch.Tensor]:
-    """A checkpoint written by hand under the Llama and Kimi K3 names (DESIGN section 8), random values."""
+    """A checkpoint written by hand under the Llama and Kimi K3 names (docs/design.md section 9), random values."""
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape, mean=0.0):

@@ -1,4 +1,4 @@
-"""Residual streams (DESIGN section 4): which sources each aggregation point sees, what the bank holds and when,
+"""Residual streams (docs/design.md section 3): which sources each aggregation point sees, what the bank holds and when,
 outputs of a toy stack against an independent hand-written schedule, two-phase against one-shot, the mixture
 rescale, zero-query equivalence with the PreNorm baseline, and misuse errors."""
 
@@ -92,8 +92,8 @@ def reference_reads(toy: ToyStack, kind: str, block_size=None, rescale=False, us
 
 
 # Sources at each point in schedule order (attention, MLP side of layers 0 .. L-1, then the final read), written
-# out from DESIGN section 4: nvb + 1 with nvb = ceil(i/S) at the attention side of layer i, floor(i/S) + 1 at the
-# MLP side, ceil(L/S) at the final read; layer 0's attention sees only the embedding. Full: point k sees k + 1.
+# out from docs/design.md section 3: nvb + 1 with nvb = ceil(i/S) at the attention side of layer i, floor(i/S) + 1 at
+# the MLP side, ceil(L/S) at the final read; layer 0's attention sees only the embedding. Full: point k sees k + 1.
 SOURCES_PER_POINT = [
     ("full", 4, None, [1, 2, 3, 4, 5, 6, 7, 8, 9]),
     ("full", 5, None, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]),
@@ -221,7 +221,7 @@ def test_two_phase_matches_one_shot_values_and_gradients(num_layers, block_size,
                          ids=["full", "block-S1", "block-S2", "block-S5"])
 @pytest.mark.parametrize("two_phase", [False, True], ids=["one_shot", "two_phase"])
 def test_zero_queries_with_rescale_equal_the_prenorm_baseline(kind, block_size, two_phase):
-    """DESIGN section 3: a zero-initialised AttnRes stack with rescale_mixture computes the PreNorm stack, eps
+    """docs/design.md section 2: a zero-initialised AttnRes stack with rescale_mixture computes the PreNorm stack, eps
     included; small activations (as at common inits) make the eps visible without the rescale."""
     toy = ToyStack(5, zero_queries=True, output_scale=1e-2)
     standard, _ = toy.drive(make_stream("standard", toy.embedding, 5))

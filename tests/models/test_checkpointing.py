@@ -1,7 +1,7 @@
 """Activation checkpointing of whole decoder layers (`AttnResDecoderLayer` is transformers' `GradientCheckpointingLayer`).
 
 `model.activation_checkpointing_enable()` (transformers' older name: `gradient_checkpointing_enable()`), or
-`TrainingArguments(gradient_checkpointing=True)`, makes each decoder layer recompute itself in backward from the
+`TrainingArguments(activation_checkpointing=True)`, makes each decoder layer recompute itself in backward from the
 residual state it took. The recompute runs the very same ops on the same inputs (and, with dropout, the same random
 state), so the loss and every gradient are bit for bit those without checkpointing, on one thread and on CPU: the tests
 assert exact equality. `benchmarks/activation_memory.py` measures the memory and time at a realistic size.

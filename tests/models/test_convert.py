@@ -1,4 +1,4 @@
-"""`attnres.convert_from_hf`: what conversion itself keeps and sets (DESIGN sections 3 and 13).
+"""`attnres.convert_from_hf`: what conversion itself keeps and sets (docs/design.md sections 2 and 6).
 
 Whether each family converts to the original's function (logits, generation, save/load, bf16, nonzero queries) is
 `test_families.py`; the `attnres convert` command is `tests/inference/test_commands.py`. Here: block sizes and the
@@ -99,7 +99,7 @@ def test_conversion_keeps_dtype_device_and_train_mode(train):
     assert {p.device for p in model.parameters()} == {source.device}
     assert model.model.rotary_emb.inv_freq.dtype == source.model.rotary_emb.inv_freq.dtype
     ids = torch.randint(0, 64, (2, 9))
-    with torch.no_grad():  # the depth mixtures reduce in fp32 (DESIGN section 3), hence fp32 rounding
+    with torch.no_grad():  # the depth mixtures reduce in fp32 (docs/design.md section 2), hence fp32 rounding
         assert rel_err(model.eval()(ids).logits, source.eval()(ids).logits) < 1e-5
 
 

@@ -1,12 +1,12 @@
-"""AttnRes on every PreNorm decoder family of transformers (DESIGN section 13, issue 11).
+"""AttnRes on every PreNorm decoder family of transformers (docs/design.md section 6).
 
 Each family is a tiny random-init model built by transformers itself, its norm gains and biases moved off their init
 so that a weight in the wrong place shows. For Block (2 layers a block, 4 layers) and Full:
 
 - zero-query conversion reproduces the original: logits (training and no-grad bank path), greedy generation with the
   KV cache (a left-padded batch, each row as if generated alone), a save/load round trip in a fresh process, bf16;
-- with nonzero queries the model follows the schedule of DESIGN section 4 written out here on the ORIGINAL family
-  model's own modules (the attention arguments, masks and rotary embeddings captured from its own forward), its
+- with nonzero queries the model follows the schedule of docs/design.md section 3 written out here on the ORIGINAL
+  family model's own modules (the attention arguments, masks and rotary embeddings captured from its own forward), its
   grad and no-grad paths agree, and another attention backend gives the same logits;
 - MoE families keep their router loss; post-norm and parallel-residual families are refused; every family also
   trains from scratch; and the transformers interfaces `attnres.models.family` relies on are checked.
@@ -172,10 +172,10 @@ def with_queries(family: str, residual: str) -> AttnResForCausalLM:
 
 
 def reference_logits(family: str, model: AttnResForCausalLM, ids: torch.Tensor, residual: str) -> torch.Tensor:
-    """DESIGN section 4 one sublayer at a time on the ORIGINAL family model's modules, with `model`'s pseudo-queries
-    and key gains: v_0 is what the family hands its first layer; each sublayer reads `norm(R * mixture)` (the rescale)
-    and computes `scale * post(body(.))` with the arguments its body received in the family's own forward (masks,
-    rotary embeddings); the final read feeds the family's final norm, and the family's head (logit scaling,
+    """docs/design.md section 3 one sublayer at a time on the ORIGINAL family model's modules, with `model`'s
+    pseudo-queries and key gains: v_0 is what the family hands its first layer; each sublayer reads `norm(R * mixture)`
+    (the rescale) and computes `scale * post(body(.))` with the arguments its body received in the family's own forward
+    (masks, rotary embeddings); the final read feeds the family's final norm, and the family's head (logit scaling,
     soft-capping) turns it into logits. Shares no code with the model under test."""
     source = original(family)
     layers = source.model.layers

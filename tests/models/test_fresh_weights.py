@@ -1,7 +1,7 @@
-"""No forward may serve weights older than the model's (DESIGN section 11).
+"""No forward may serve weights older than the model's (docs/design.md section 11).
 
 Updates that change a weight without bumping its version counter (fused optimizers, `.data` writes) or that move it
-to new storage (a dtype round trip, `vector_to_parameters`) used to leave a cached folded query `g * w` stale on the
+to new storage (a dtype round trip, `vector_to_parameters`) can leave a cached folded query `g * w` stale on the
 no-grad path of Block models. After each update, the no-grad forward must equal the grad-enabled forward and a copy
 reloaded from disk. Each case first runs a no-grad forward on the old weights, so that any cache is populated.
 """

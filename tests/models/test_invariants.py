@@ -1,9 +1,10 @@
-"""Whole-model invariants (DESIGN sections 3 and 4).
+"""Whole-model invariants (docs/design.md sections 2 and 3).
 
 1. Zero pseudo-queries: Full and Block models compute the standard PreNorm model's function, exactly with
    `attn_res_rescale_mixture`, up to the RMSNorm eps without it.
 2. Zero queries cannot see a wrong block grouping, so with random nonzero queries the model is compared with the
-   schedule of DESIGN section 4 written out by sublayer index (no bank, no prefix), on the model's own submodules.
+   schedule of docs/design.md section 3 written out by sublayer index (no bank, no prefix), on the model's own
+   submodules.
 """
 
 import pytest
@@ -93,7 +94,8 @@ def reference_sources(v: list[torch.Tensor], j: int, residual: str, block_size: 
 
 
 def reference_logits(model, ids: torch.Tensor, residual: str, block_size: int) -> torch.Tensor:
-    """DESIGN section 4, one sublayer at a time, with the unfused naive op and the PreNorm modules applied after it."""
+    """docs/design.md section 3, one sublayer at a time, with the unfused naive op and the PreNorm modules applied after
+    it."""
     inner, config = model.model, model.config
     L = config.num_hidden_layers
     v = [inner.embed_tokens(ids)]

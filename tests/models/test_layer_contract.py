@@ -1,4 +1,4 @@
-"""The layer contract (DESIGN section 14): a decoder layer takes the residual state and returns the new one.
+"""The layer contract (docs/design.md section 7): a decoder layer takes the residual state and returns the new one.
 
 - a loop over the layers by hand, with the arguments the family hands them, is the model's forward;
 - `hidden_states` reports what each layer reads (the mixture before its PreNorm), equal to the original model's

@@ -50,7 +50,8 @@ SHARED_WITH_LLAMA = [
 
 
 def expected_keys(layers: int, residual: str) -> set[str]:
-    """Llama's parameter names, plus the Kimi K3 AttnRes names (DESIGN section 8) unless the residual is standard."""
+    """Llama's parameter names, plus the Kimi K3 AttnRes names (docs/design.md section 9) unless the residual is
+    standard."""
     layer_keys = LLAMA_LAYER_KEYS + ([] if residual == "standard" else K3_LAYER_KEYS)
     keys = {f"model.layers.{i}.{key}" for i in range(layers) for key in layer_keys}
     keys |= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
@@ -70,7 +71,8 @@ def randomize_attnres_(model) -> None:
 
 
 def depth_sources(config: AttnResConfig) -> list[int]:
-    """R_k, the number of sources of each aggregation point in schedule order, from DESIGN section 4's counts."""
+    """R_k, the number of sources of each aggregation point in schedule order, from docs/design.md section 3's
+    counts."""
     L, S = config.num_hidden_layers, config.attn_res_block_size
     if config.residual == "full":
         return list(range(1, 2 * L + 2))

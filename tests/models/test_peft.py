@@ -1,4 +1,4 @@
-"""PEFT on AttnRes models (issue 10 part 2): LoRA on the family's projections, the AttnRes parameters trained in full.
+"""PEFT on AttnRes models: LoRA on the family's projections, the AttnRes parameters trained in full.
 
 The AttnRes parameters (`*_res_proj`: a `[1, d]` `PseudoQuery`, `*_res_norm`: a `KeyNorm`) are no `nn.Linear`, so
 LoRA never wraps them; PEFT trains them through `modules_to_save`, which swaps a `ModulesToSaveWrapper` in on the

@@ -1,4 +1,4 @@
-"""The depth-attention operator: DESIGN section 3 properties, parity with its naive twin, an fp64 oracle and
+"""The depth-attention operator: docs/design.md section 2 properties, parity with its naive twin, an fp64 oracle and
 flash-linear-attention's reference, gradcheck, torch.library opcheck, torch.compile and non-contiguous inputs."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tests import TOL, Tol, assert_all_close, assert_close, error_ratios, leaves
 
 EPS = 1e-6
 
-# fp32 inputs against the fp64 oracle: DESIGN section 3 asks ~1e-5 relative.
+# fp32 inputs against the fp64 oracle: docs/design.md section 2 asks ~1e-5 relative.
 ORACLE_TOL = Tol(rms=1e-5, max=5e-5)
 
 
@@ -151,7 +151,7 @@ def test_parity_with_fla_reference(case: Case, dtype: torch.dtype):
     assert_all_close(names, ref, out, TOL[dtype])
 
 
-# --- DESIGN section 3: properties that hold exactly, up to floating point ---
+# --- docs/design.md section 2: properties that hold exactly, up to floating point ---
 
 
 def test_weights_are_positive_and_sum_to_one():
@@ -205,7 +205,7 @@ def test_zero_query_mean_is_the_prenorm_input_up_to_eps():
 
 
 def test_folded_query_equals_scoring_against_the_normed_keys():
-    """c = g * w scores exactly as w against RMSNorm_g(x) (DESIGN section 3, step 2)."""
+    """c = g * w scores exactly as w against RMSNorm_g(x) (docs/design.md section 2, step 2)."""
     sources = [torch.randn(10, 48) * (j + 1) for j in range(5)]
     w, g = torch.randn(48) / 3, torch.rand(48) + 0.5
     keys = torch.stack([rms_norm(x, g, EPS) for x in sources])

@@ -1,5 +1,5 @@
-"""Two-phase depth attention (DESIGN section 5): statistics against their twin, exact merges in any split and order,
-and the finish with and without the fused output norm, outputs and gradients."""
+"""Two-phase depth attention (docs/design.md section 4): statistics against their twin, exact merges in any split and
+order, and the finish with and without the fused output norm, outputs and gradients."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Triton kernels of the fused inference aggregation, with the contracts of `attnres.ops.bank.bank_aggregate` and
-`bank_merge` (DESIGN section 6).
+`bank_merge` (docs/design.md section 5).
 
 One program owns BLOCK_T tokens and their whole rows of d channels (padded to D_PAD, masked at the tail), as the
 depth-attention forward does, and does everything a point needs in one pass:
