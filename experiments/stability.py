@@ -21,9 +21,10 @@ from pathlib import Path
 
 from study import COMMON, PLATEAU, Ledger, plateau_steps, progress, steps_to, timed_run
 
+from attnres.layers.kinds import BLOCK, FULL, STANDARD
 from attnres.training import TrainConfig, TrainingDiverged
 
-RESIDUALS = ("standard", "block", "full")
+RESIDUALS = (STANDARD, BLOCK, FULL)  # the order its tables report them in
 
 
 def run_name(residual: str, lr: float, warmup: int, seed: int) -> str:

@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from attnres.analysis.profile import DepthProfile, depth_weight_matrix  # noqa: E402
+from attnres.layers.kinds import BLOCK  # noqa: E402
 
 
 def save_figure(fig, path: str | Path) -> Path:
@@ -59,7 +60,7 @@ def plot_depth_weights(name: str, profile: DepthProfile, path: str | Path) -> Pa
         im = ax.imshow(mat[rows].numpy(), aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
         labels = [f"L{k // 2}" if k < mat.shape[0] - 1 else "final" for k in rows]
         ax.set_yticks(range(len(rows)), labels, fontsize=7)
-        ax.set_xlabel("source (0 = embedding" + (", last = current block prefix)" if profile.residual == "block" else ")"))
+        ax.set_xlabel("source (0 = embedding" + (", last = current block prefix)" if profile.residual == BLOCK else ")"))
         ax.set_title(title)
     fig.colorbar(im, ax=axes, shrink=0.8, label="mean depth weight")
     fig.suptitle(f"{name}: depth-attention weights")

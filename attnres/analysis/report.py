@@ -19,6 +19,7 @@ import torch
 
 from attnres.analysis.plots import plot_depth_weights, plot_layer_curves, plot_loss_curves
 from attnres.analysis.profile import DepthProfile, depth_profile
+from attnres.layers.kinds import STANDARD
 from attnres.training import TrainConfig, train
 from attnres.training.checkpoint import atomic_write_text
 from attnres.training.data import eval_batches, load_tokenizer, read_corpus, tokenize_and_split
@@ -151,14 +152,14 @@ def format_table(summary: dict) -> str:
     mean relative to the standard one."""
     losses = seed_losses(summary)
     runs = summary["runs"]
-    base = statistics.mean(losses["standard"]) if "standard" in losses else None
+    base = statistics.mean(losses[STANDARD]) if STANDARD in losses else None
     lines = [
         "| residual | val loss (mean) | per seed | vs standard | params | tokens/s |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in runs.items():
         mean = statistics.mean(losses[name])
-        delta = "" if base is None or name == "standard" else f"{mean - base:+.4f}"
+        delta = "" if base is None or name == STANDARD else f"{mean - base:+.4f}"
         per_seed = ", ".join(f"{v:.4f}" for v in losses[name])
         lines.append(f"| {name} | {mean:.4f} | {per_seed} | {delta} | {r['num_params']:,} | {r['tokens_per_s']:,.0f} |")
     return "\n".join(lines)
@@ -174,7 +175,7 @@ def pooled_seed_std(losses: Mapping[str, Sequence[float]]) -> tuple[float, int] 
     return math.sqrt(ss / dof), dof
 
 
-def judge(losses: Mapping[str, Sequence[float]], baseline: str = "standard", noise_std: float | None = None,
+def judge(losses: Mapping[str, Sequence[float]], baseline: str = STANDARD, noise_std: float | None = None,
           noise_source: str | None = None, budget: str = "this budget", unit: str = "nats/byte") -> dict:
     """What the gaps mean, computed from the per-seed validation losses of each kind.
 

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnres.layers.depth_attention import RMSNorm
+from attnres.layers.kinds import BLOCK, FULL, RESIDUAL_KINDS, STANDARD
 from attnres.models import AttnResConfig, AttnResForCausalLM
 from attnres.ops import depth_attention
 
-KINDS = ("standard", "block", "full")
+KINDS = (STANDARD, BLOCK, FULL)  # the order the benchmarks report them in
 
 
 def add_model_args(parser) -> None:
@@ -31,8 +32,8 @@ def build_models(
 ) -> dict[str, AttnResForCausalLM]:
     """The standard model and the AttnRes `kinds` (in that order), sharing every standard weight; the AttnRes
     pseudo-queries are random (not the zero init) so the depth softmax is not uniform."""
-    if kinds[:1] != ("standard",) or set(kinds) - set(KINDS):
-        raise ValueError(f"kinds: expected 'standard' first, then some of {KINDS[1:]}, got {kinds}")
+    if kinds[:1] != (STANDARD,) or set(kinds) - set(RESIDUAL_KINDS):
+        raise ValueError(f"kinds: expected {STANDARD!r} first, then some of {KINDS[1:]}, got {kinds}")
     fields = dict(
         vocab_size=vocab,
         hidden_size=dim,
@@ -45,7 +46,7 @@ def build_models(
     configs = {kind: AttnResConfig(**fields, residual=kind, attn_res_block_size=block_size) for kind in kinds}
     models = {kind: AttnResForCausalLM(config) for kind, config in configs.items()}
     for kind in kinds[1:]:
-        models[kind].load_state_dict(models["standard"].state_dict(), strict=False)
+        models[kind].load_state_dict(models[STANDARD].state_dict(), strict=False)
         with torch.no_grad():
             for name, p in models[kind].named_parameters():
                 if name.endswith("_res_proj.weight"):

@@ -8,7 +8,7 @@ import sys
 import textwrap
 import time
 
-from attnres.training.config import RESIDUALS
+from attnres.layers.kinds import BLOCK, DEFAULT_BLOCK_SIZE, FULL, RESIDUAL_KINDS, STANDARD
 
 
 # The warm-up `attnres compare` trains with, chosen by experiments/warmup_stall.py (docs/warmup_stall.md): the
@@ -57,14 +57,14 @@ def register(sub) -> None:
         epilog=WARMUP_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--residuals", nargs="+", choices=RESIDUALS, default=["standard", "block", "full"],
+    p.add_argument("--residuals", nargs="+", choices=RESIDUAL_KINDS, default=[STANDARD, BLOCK, FULL],
                    help="kinds to train, in order (default: standard block full)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per model (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=WARMUP,
                    help="linear warm-up steps, for every kind (default: %(default)s; see below why)")
     p.add_argument("--layers", type=int, default=6, help="decoder layers (default: %(default)s)")
     p.add_argument("--dim", type=int, default=96, help="hidden size (default: %(default)s)")
-    p.add_argument("--block-size", type=int, default=2, help="Block AttnRes block size in decoder layers (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="Block AttnRes block size in decoder layers (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=128, help="bytes per sequence (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")

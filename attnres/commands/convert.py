@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from attnres.layers import RESIDUAL_KINDS
+from attnres.layers.kinds import BLOCK, DEFAULT_BLOCK_SIZE, RESIDUAL_KINDS
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -27,9 +27,9 @@ def register(sub) -> None:
     )
     p.add_argument("src", metavar="SRC", help="a transformers model folder (or a Hub name, with --allow-download)")
     p.add_argument("dst", metavar="DST", help="the folder to create for the AttnRes model (must not exist)")
-    p.add_argument("--residual", choices=RESIDUAL_KINDS, default="block", help="(default: %(default)s)")
-    p.add_argument("--block-size", type=int, default=None,
-                   help="Block AttnRes block size, counted in decoder layers (default: ceil(layers / 8), about 8 blocks)")
+    p.add_argument("--residual", choices=RESIDUAL_KINDS, default=BLOCK, help="(default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help="Block AttnRes block size, counted in decoder layers (default: %(default)s)")
     p.add_argument("--no-rescale", action="store_true",
                    help="leave attn_res_rescale_mixture off (the Kimi K3 form): outputs then differ from the "
                    "original's by the RMSNorm eps")
@@ -61,7 +61,7 @@ def run(args) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     config = model.config
-    layout = f", {config.attn_res_block_size} decoder layers a block" if config.residual == "block" else ""
+    layout = f", {config.attn_res_block_size} decoder layers a block" if config.residual == BLOCK else ""
     print(
         f"converted {config.num_hidden_layers}-layer {source.config.model_type} to residual={config.residual}{layout} "
         f"-> {dst}{'' if tokenizer is None else ' (with its tokenizer)'}"

@@ -7,7 +7,8 @@ A model makes one stream per forward and, for each decoder layer, calls
 
 and at the end `h = stream.read(model.norm)`. Each read is the next aggregation point in schedule order (attention
 side of layer 0, MLP side of layer 0, ..., then the final read); the stream returns the sublayer's normed input
-(or, with no norm, the pre-norm mixture `h`). Switching residual kind is the one argument of `make_stream`.
+(or, with no norm, the pre-norm mixture `h`). Switching residual kind is the one argument of `make_stream`
+(`attnres.layers.factory`).
 
 A stream can also run part of a forward: `stream.state()` between two decoder layers is a `ResidualState` of tensors,
 and `resume_stream` continues from one at any layer with only that layer's points. That is how a decoder layer takes
@@ -32,9 +33,6 @@ from attnres.layers.depth_attention import DepthAttention, RMSNorm
 from attnres.ops import depth_stats, merge_prefix
 from attnres.ops.backends import TORCH, backend_for
 from attnres.ops.two_phase import SoftmaxStats
-
-RESIDUAL_KINDS = ("standard", "full", "block")
-
 
 class ResidualState(NamedTuple):
     """The residual state between two decoder layers (docs/design.md section 7): what layer i hands layer i + 1.
@@ -348,68 +346,3 @@ def _check_points(points: Sequence[DepthAttention] | Mapping[int, DepthAttention
             f"points: expected 2 * num_layers + 1 = {2 * num_layers + 1} aggregation points "
             f"(attention and MLP side of each layer, then the final read), got {count}"
         )
-
-
-def make_stream(
-    residual: str,
-    embedding: torch.Tensor | None,
-    num_layers: int,
-    points: Sequence[DepthAttention] | None = None,
-    *,
-    block_size: int | None = None,
-    rescale_mixture: bool = False,
-    two_phase: bool | None = None,
-    record_weights: bool = False,
-    inference: bool = False,
-) -> ResidualStream:
-    """The residual stream of kind `residual` ("standard", "full" or "block") for one forward.
-
-    `points`: the 2L + 1 aggregation points in schedule order (not needed for "standard"); `block_size` counts
-    decoder layers (Kimi K3 `attn_res_block_size`); `record_weights` keeps, for every read, the depth weights
-    in `stream.weights` (none for "standard") and the pre-norm mixture the sublayer's norm sees in `stream.mixtures`;
-    `inference` selects, for "block", the fused bank path (no autograd; `attnres.layers.bank_stream`). A stream made
-    without an embedding waits for `resume` (`resume_stream`).
-    """
-    cls = _stream_class(residual, block_size, inference and not record_weights)
-    stream = _build(cls, embedding, num_layers, points, block_size, rescale_mixture, two_phase)
-    stream.record = record_weights
-    return stream
-
-
-def resume_stream(
-    residual: str,
-    state: ResidualState,
-    layer: int,
-    num_layers: int,
-    points: Mapping[int, DepthAttention] | None = None,
-    **options,
-) -> ResidualStream:
-    """The stream of decoder `layer` alone (`num_layers`: the final read), continuing from the `state` that layers
-    0 .. layer-1 left. `points` maps the point indices it reads (2 layer and 2 layer + 1, or 2L) to their points: a
-    layer needs only its own parameters. Its `state()` after the layer's two writes is the next layer's input.
-    `options`: the keyword arguments of `make_stream`; `inference` must be the same for every layer of one forward."""
-    stream = make_stream(residual, None, num_layers, points, **options)
-    stream.resume(layer, state, end_point=min(2 * layer + 2, 2 * num_layers + 1))
-    return stream
-
-
-def _stream_class(residual: str, block_size: int | None, bank: bool) -> type[ResidualStream]:
-    if residual == "block":
-        if block_size is None:
-            raise ValueError("block_size: the block residual needs a block size (in decoder layers)")
-        if bank:
-            from attnres.layers.bank_stream import BankStream  # imports this module
-
-            return BankStream
-        return BlockStream
-    if residual not in RESIDUAL_KINDS:
-        raise ValueError(f"residual: expected one of {RESIDUAL_KINDS}, got {residual!r}")
-    return StandardStream if residual == "standard" else FullStream
-
-
-def _build(cls, embedding, num_layers, points, block_size, rescale_mixture, two_phase) -> ResidualStream:
-    if cls is StandardStream:
-        return StandardStream(embedding, num_layers)
-    if cls is FullStream:
-        return FullStream(embedding, num_layers, points, rescale_mixture)
-    return cls(embedding, num_layers, points, block_size, rescale_mixture, two_phase)

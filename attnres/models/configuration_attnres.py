@@ -15,7 +15,7 @@ try:  # transformers >= 5.18 describes sub-configs with specs; 5.17 with one con
 except ImportError:
     SubConfigSpec = None
 
-from attnres.layers import RESIDUAL_KINDS
+from attnres.layers.kinds import BLOCK, DEFAULT_BLOCK_SIZE, RESIDUAL_KINDS
 
 # The from-scratch default: a small Llama (what `attnres train` builds); any field can be overridden.
 LLAMA_DEFAULTS = dict(
@@ -30,6 +30,9 @@ LLAMA_DEFAULTS = dict(
     eos_token_id=None,
     pad_token_id=None,
 )
+# The AttnRes settings of a model that starts from a PreNorm one (conversion, or `from_pretrained` of a family's
+# folder): with its zero pseudo-queries, the rescaled mixture is the residual sum, so it computes the same function.
+PRENORM_START = {"attn_res_rescale_mixture": True}
 # flat fields of configs written by attnres 0.1 that a Llama config cannot carry (they were Qwen2/Qwen3/Mistral)
 _LEGACY_FIELDS = {"qk_norm": False, "attention_output_bias": None, "sliding_window": None}
 # keys that belong to the composite config itself, never to the family's: its fields, and the settings transformers
@@ -63,7 +66,7 @@ class AttnResConfig(PreTrainedConfig):
             `"standard"` (the family's own PreNorm residual, no AttnRes parameters at all), `"full"` (every aggregation
             point attends over the embedding and every earlier sublayer output) or `"block"` (Block AttnRes with Kimi
             K3 timing).
-        attn_res_block_size (`int`, defaults to 2):
+        attn_res_block_size (`int`, defaults to `attnres.layers.DEFAULT_BLOCK_SIZE`, 2):
             Block size **in decoder layers** (each holds two sublayers), as Kimi K3's `attn_res_block_size`; the
             paper and some peers count sublayers instead. Used only by `residual="block"`; 1 makes each decoder layer
             a block (a bank row sums its two sublayer outputs; Full AttnRes is `residual="full"`), a value >=
@@ -71,7 +74,8 @@ class AttnResConfig(PreTrainedConfig):
         attn_res_rescale_mixture (`bool`, defaults to False):
             Multiply each mixture by its number of sources before the sublayer PreNorm. With every pseudo-query zero
             the model then computes exactly the function of the standard model with the same other weights
-            (docs/design.md section 2). Off is the Kimi K3 form.
+            (docs/design.md section 2). Off is the Kimi K3 form. On by default for a model started from a PreNorm
+            family's own config (`from_pretrained` of its folder), as conversion does.
         attn_res_two_phase (`bool` or None, defaults to None):
             Block AttnRes only: score a block's completed summaries once for all its aggregation points (docs/design.md
             section 4). None chooses it whenever it saves reads.
@@ -98,7 +102,7 @@ class AttnResConfig(PreTrainedConfig):
     text_config: dict | PreTrainedConfig | None = None
     base_model_type: str | None = None
     residual: str = "block"
-    attn_res_block_size: int = 2
+    attn_res_block_size: int = DEFAULT_BLOCK_SIZE
     attn_res_rescale_mixture: bool = False
     attn_res_two_phase: bool | None = None
     attn_res_layer_plan: list | None = None
@@ -112,6 +116,8 @@ class AttnResConfig(PreTrainedConfig):
         else:
             saved_type = kwargs.get("model_type")  # a family's own config.json loaded as an AttnRes config
             family_type = saved_type if saved_type != self.model_type else None
+            if family_type is not None:
+                self.__dict__.update(PRENORM_START)
             base = self.base_model_type or (self.text_config or {}).get("model_type") or family_type or "llama"
             if base not in CONFIG_MAPPING:
                 raise ValueError(
@@ -159,7 +165,7 @@ class AttnResConfig(PreTrainedConfig):
             raise ValueError(f"residual: expected one of {RESIDUAL_KINDS}, got {self.residual!r}")
         size = self.attn_res_block_size
         bad_size = isinstance(size, bool) or not isinstance(size, int) or size < 1
-        if self.residual == "block" and bad_size:
+        if self.residual == BLOCK and bad_size:
             raise ValueError(f"attn_res_block_size: expected a positive number of decoder layers per block, got {size!r}")
         for name in ("hidden_size", "num_hidden_layers"):
             value = getattr(self.text_config, name, None)

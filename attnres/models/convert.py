@@ -11,13 +11,13 @@ sublayers (post-norm, parallel attention and MLP, ...) is refused with a ValueEr
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from attnres.models.configuration_attnres import ATTNRES_FIELDS, AttnResConfig
+from attnres.layers.kinds import BLOCK, DEFAULT_BLOCK_SIZE
+from attnres.models.configuration_attnres import ATTNRES_FIELDS, AttnResConfig, PRENORM_START
 from attnres.models.family import plan_decoder_layers
 from attnres.models.loading import is_attnres_key
 from attnres.models.modeling_attnres import AttnResForCausalLM
@@ -25,7 +25,7 @@ from attnres.models.modeling_attnres import AttnResForCausalLM
 
 
 def attnres_config_from_hf(
-    config, residual: str = "block", attn_res_block_size: int | None = None, **config_overrides
+    config, residual: str = BLOCK, attn_res_block_size: int = DEFAULT_BLOCK_SIZE, **config_overrides
 ) -> AttnResConfig:
     """The `AttnResConfig` over a copy of the family config `config`; `config_overrides` win (AttnRes fields, or family
     fields, which are set on the copy)."""
@@ -37,23 +37,19 @@ def attnres_config_from_hf(
     converted = AttnResConfig(
         text_config=text_config,
         residual=residual,
-        # about the paper's N = 8 blocks; block size counts decoder layers
-        attn_res_block_size=(
-            math.ceil(text_config.num_hidden_layers / 8) if attn_res_block_size is None else attn_res_block_size
-        ),
-        **{"attn_res_rescale_mixture": True, **ours},
+        attn_res_block_size=attn_res_block_size,
+        **{**PRENORM_START, **ours},
     )
     converted._attn_implementation = getattr(config, "_attn_implementation", None)
     return converted
 
 
 def convert_from_hf(
-    model: PreTrainedModel, residual: str = "block", attn_res_block_size: int | None = None, **config_overrides
+    model: PreTrainedModel, residual: str = BLOCK, attn_res_block_size: int = DEFAULT_BLOCK_SIZE, **config_overrides
 ) -> AttnResForCausalLM:
     """An `AttnResForCausalLM` holding a copy of `model`'s weights (same dtype, device and train/eval mode).
 
-    residual: "block", "full" or "standard"; attn_res_block_size: decoder layers per block (default
-    ceil(num_hidden_layers / 8)); config_overrides: any other `AttnResConfig` field (e.g.
+    residual: "block", "full" or "standard"; attn_res_block_size: decoder layers per block; config_overrides: any other `AttnResConfig` field (e.g.
     `attn_res_rescale_mixture=False` for the Kimi K3 form, which then differs from the original by the RMSNorm eps).
     """
     if not isinstance(model, PreTrainedModel) or model.get_output_embeddings() is None:

@@ -17,6 +17,8 @@ import os
 
 from transformers import PreTrainedConfig
 
+from attnres.layers.kinds import BLOCK, FULL, STANDARD
+
 ATTNRES_SUFFIXES = ("_res_proj.weight", "_res_norm.weight")
 # arguments of from_pretrained that say where the checkpoint's config.json is
 _LOCATION_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
@@ -39,13 +41,13 @@ def saved_residual(saved: dict | None) -> str | None:
     """The residual kind a checkpoint's config records: "standard" for a non-AttnRes model, None if unknown."""
     if saved is None:
         return None
-    return saved.get("residual", "standard") if saved.get("model_type") == "attnres" else "standard"
+    return saved.get("residual", STANDARD) if saved.get("model_type") == "attnres" else STANDARD
 
 
 def check_bank_layout(path, saved: dict | None, config) -> None:
     """Refuse a residual kind or block size other than the one the checkpoint's AttnRes weights were trained for."""
     residual = saved_residual(saved)
-    if residual not in ("full", "block"):
+    if residual not in (FULL, BLOCK):
         return  # a PreNorm checkpoint (or no config.json): any schedule may start from it
     if config.residual != residual:
         raise ValueError(
@@ -53,7 +55,7 @@ def check_bank_layout(path, saved: dict | None, config) -> None:
             f"fit residual={config.residual!r}; load it without overriding residual (or convert the PreNorm original)"
         )
     trained = saved.get("attn_res_block_size")
-    if residual == "block" and trained != config.attn_res_block_size:
+    if residual == BLOCK and trained != config.attn_res_block_size:
         raise ValueError(
             f"attn_res_block_size: the checkpoint {path} holds a Block AttnRes bank layout of {trained} decoder layers "
             f"per block; its pseudo-queries were trained for that grouping, so block size "
@@ -68,7 +70,7 @@ def check_loaded_weights(path, saved: dict | None, info: dict, model_keys, ignor
     unexpected = sorted(k for k in info["unexpected_keys"] if is_attnres_key(k))
     ours = {k for k in model_keys if is_attnres_key(k)}
     holds_none = not unexpected and set(missing) == ours
-    if holds_none and saved_residual(saved) in ("standard", None):
+    if holds_none and saved_residual(saved) in (STANDARD, None):
         missing = []  # a PreNorm checkpoint starting an AttnRes model: the AttnRes weights keep their init
     problems = [f"missing {missing}"] if missing else []
     problems += [f"unexpected {unexpected}"] if unexpected else []

@@ -36,6 +36,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from attnres.layers import KeyNorm, NamedPoint, PseudoQuery
+from attnres.layers.kinds import STANDARD
 from attnres.layers.streams import ResidualState
 from attnres.models.configuration_attnres import AttnResConfig
 from attnres.models.family import Sublayer, plan_decoder_layers
@@ -141,7 +142,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
         base.layers = nn.ModuleList(layers)
         if config.attn_res_layer_plan is not None:
             _install_plan(base, tuple(Sublayer.from_config(entry) for entry in config.attn_res_layer_plan))
-        self.final_point = () if config.residual == "standard" else add_points(base, (OUTPUT_POINT,), dim, eps)
+        self.final_point = () if config.residual == STANDARD else add_points(base, (OUTPUT_POINT,), dim, eps)
         final_read = FinalRead(config, self.final_point)
         base.norm.register_forward_pre_hook(final_read)
         base.norm.register_forward_hook(final_read.after)
@@ -150,7 +151,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
     def aggregation_points(self) -> list[NamedPoint] | None:
         """The 2L + 1 points in schedule order (each layer's attention and MLP side, then the final read); None for
         the standard residual."""
-        if self.config.residual == "standard":
+        if self.config.residual == STANDARD:
             return None
         return [point for layer in self.model.layers for point in layer.points] + list(self.final_point)
 

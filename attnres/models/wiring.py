@@ -26,9 +26,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils.output_capturing import CompileableContextVar
 
-from attnres.layers import make_stream
+from attnres.layers import make_stream, resume_stream
 from attnres.layers.depth_attention import KeyNorm, NamedPoint, PseudoQuery
-from attnres.layers.streams import ResidualState, ResidualStream, resume_stream
+from attnres.layers.kinds import STANDARD
+from attnres.layers.streams import ResidualState, ResidualStream
 from attnres.models.family import Sublayer, layer_parameters, run_sublayer
 
 # Kimi K3 names of the two aggregation points of a decoder layer, and of the final read on the base model
@@ -132,7 +133,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.family_args = frozenset(layer_parameters(self.family_layer_cls))
         self.sides: tuple[Sublayer, Sublayer] | None = None
         self._family_norms: dict[str, type] = {}
-        standard = config.residual == "standard"
+        standard = config.residual == STANDARD
         self.points: tuple[NamedPoint, ...] = () if standard else add_points(self, SIDE_NAMES, dim, eps)
 
     def install_plan(self, sides: tuple[Sublayer, Sublayer]) -> None:

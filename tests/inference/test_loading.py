@@ -4,9 +4,11 @@ than the checkpoint's bank layout are errors that name the tensors or the settin
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from attnres.models import AttnResConfig, AttnResForCausalLM
+from attnres.layers import DEFAULT_BLOCK_SIZE
+from attnres.models import AttnResConfig, AttnResForCausalLM, convert_from_hf
+from attnres.models.configuration_attnres import ATTNRES_FIELDS
 
 D, LAYERS = 32, 3
 
@@ -138,3 +140,29 @@ def test_from_pretrained_takes_the_attention_backend_asked_for(tmp_path):
         out = eager(ids, output_attentions=True)
         torch.testing.assert_close(out.logits, default(ids).logits)
     assert len(out.attentions) == LAYERS and out.attentions[0].shape == (1, 4, 5, 5)
+
+
+def test_a_family_folder_loads_as_the_converted_model(tmp_path):
+    """`from_pretrained` of a PreNorm family's folder starts the same AttnRes model as `convert_from_hf`: the same
+    config (block size, mixture rescale), weights and logits, and the family's logits to fp32 rounding."""
+    torch.manual_seed(0)
+    family = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=D, intermediate_size=64, num_hidden_layers=LAYERS,
+                                          num_attention_heads=4, initializer_range=0.2)).eval()
+    family.save_pretrained(tmp_path)
+    loaded = AttnResForCausalLM.from_pretrained(tmp_path).eval()
+    converted = convert_from_hf(LlamaForCausalLM.from_pretrained(tmp_path).eval())
+    for name in ATTNRES_FIELDS - {"text_config"}:  # the family's config: the weights and logits below
+        assert getattr(loaded.config, name) == getattr(converted.config, name), name
+    assert loaded.config.attn_res_block_size == DEFAULT_BLOCK_SIZE and loaded.config.attn_res_rescale_mixture
+    assert loaded.state_dict().keys() == converted.state_dict().keys()
+    for name, tensor in converted.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = loaded(ids).logits
+        assert torch.equal(logits, converted(ids).logits)
+        expected = family(ids).logits
+    assert ((logits - expected).norm() / expected.norm()).item() < 1e-5
+    # an explicit setting still wins over the PreNorm start
+    assert not AttnResForCausalLM.from_pretrained(tmp_path, attn_res_rescale_mixture=False).config.attn_res_rescale_mixture
+
