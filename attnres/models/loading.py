@@ -1,5 +1,6 @@
 """Strict checks on loading an AttnRes checkpoint, where transformers' `from_pretrained` would only warn.
 
+- Every weight of the family's own must be in the checkpoint; a missing one is an error that names it.
 - The AttnRes weights (the pseudo-queries `*_res_proj.weight` and key gains `*_res_norm.weight`, Kimi K3 names) must
   match the model: any missing, unexpected or mis-shaped one is an error that names it. One exception: a checkpoint
   that holds none of them and whose config does not claim any (a PreNorm checkpoint) may start an AttnRes model;
@@ -64,14 +65,18 @@ def check_bank_layout(path, saved: dict | None, config) -> None:
 
 
 def check_loaded_weights(path, saved: dict | None, info: dict, model_keys, ignore_mismatched_sizes: bool) -> None:
-    """Raise a ValueError naming every AttnRes weight that is missing, unexpected or mis-shaped (and any mis-shaped
-    weight unless `ignore_mismatched_sizes`). `info` is transformers' loading info, `model_keys` the model's names."""
-    missing = sorted(k for k in info["missing_keys"] if is_attnres_key(k))
+    """Raise a ValueError naming every weight that is missing, every AttnRes weight that is unexpected and every
+    mis-shaped AttnRes weight (any mis-shaped weight unless `ignore_mismatched_sizes`). `info` is transformers'
+    loading info (tied weights are not missing there), `model_keys` the model's names."""
+    missing_ours = {k for k in info["missing_keys"] if is_attnres_key(k)}
     unexpected = sorted(k for k in info["unexpected_keys"] if is_attnres_key(k))
     ours = {k for k in model_keys if is_attnres_key(k)}
-    holds_none = not unexpected and set(missing) == ours
+    holds_none = not unexpected and missing_ours == ours
     if holds_none and saved_residual(saved) in (STANDARD, None):
-        missing = []  # a PreNorm checkpoint starting an AttnRes model: the AttnRes weights keep their init
+        # a PreNorm checkpoint starting an AttnRes model: the AttnRes weights keep their init
+        missing_ours = set()
+    # a family weight left out would start at a random init, which transformers only reports
+    missing = sorted(missing_ours | {k for k in info["missing_keys"] if not is_attnres_key(k)})
     problems = [f"missing {missing}"] if missing else []
     problems += [f"unexpected {unexpected}"] if unexpected else []
     mismatched = [

@@ -1,6 +1,8 @@
 """Loading checkpoints: Kimi K3 names load; missing, extra or mis-shaped AttnRes weights and a block size other
 than the checkpoint's bank layout are errors that name the tensors or the setting."""
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -166,3 +168,11 @@ def test_a_family_folder_loads_as_the_converted_model(tmp_path):
     # an explicit setting still wins over the PreNorm start
     assert not AttnResForCausalLM.from_pretrained(tmp_path, attn_res_rescale_mixture=False).config.attn_res_rescale_mixture
 
+
+@pytest.mark.parametrize("key", ["model.layers.1.self_attn.q_proj.weight", "model.norm.weight", "lm_head.weight"])
+def test_a_missing_family_weight_is_named(tmp_path, key):
+    """A family weight absent from the checkpoint would start at a random init (transformers only reports it)."""
+    tensors = k3_tensors()
+    tensors.pop(key)
+    with pytest.raises(ValueError, match=rf"checkpoint: .* does not match the model: missing \['{re.escape(key)}'\]"):
+        AttnResForCausalLM.from_pretrained(write_checkpoint(tmp_path, tensors))
