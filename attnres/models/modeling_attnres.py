@@ -289,11 +289,16 @@ def _check_capture_layers(capture_layers: Sequence[int] | None, num_layers: int)
 
 
 def _check_inputs(input_ids, inputs_embeds, attention_mask, cache) -> None:
-    """One of input_ids and inputs_embeds, and a [batch, seq] padding mask that covers the cached and new tokens.
+    """One of input_ids and inputs_embeds, not empty, and a [batch, seq] padding mask that covers the cached and new tokens.
     Longer contexts than `max_position_embeddings` run as in the family (dynamic rope scales exactly there)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("input_ids, inputs_embeds: pass exactly one of them")
-    batch, seq = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+    name, tokens = ("input_ids", input_ids) if input_ids is not None else ("inputs_embeds", inputs_embeds)
+    if tokens.dim() < 2 or 0 in tokens.shape[:2]:
+        raise ValueError(
+            f"{name}: expected [batch, seq] with at least one row and one token, got shape {list(tokens.shape)}"
+        )
+    batch, seq = tokens.shape[:2]
     past = 0 if cache is None else cache.get_seq_length()
     if attention_mask is not None and not isinstance(attention_mask, dict) and attention_mask.dim() == 2:
         if attention_mask.shape != (batch, past + seq):

@@ -57,3 +57,14 @@ def test_attention_mask_of_the_wrong_shape(model):
 def test_input_ids_and_inputs_embeds_together(model):
     with pytest.raises(ValueError, match="input_ids, inputs_embeds: pass exactly one"):
         model(torch.zeros(1, 4, dtype=torch.long), inputs_embeds=torch.zeros(1, 4, 32))
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (0, 4), (4,)], ids=["no-tokens", "no-rows", "one-dim"])
+@pytest.mark.parametrize("grad", [True, False], ids=["autograd", "inference"])
+def test_empty_or_flat_input_ids_are_named(model, shape, grad):
+    """Not a reshape error from inside the family."""
+    with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=rf"input_ids: expected .*got shape \[{shape[0]}"):
+        model(torch.zeros(shape, dtype=torch.long))
+    if len(shape) == 2:
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=r"inputs_embeds: expected .*got shape"):
+            model(inputs_embeds=torch.zeros(*shape, 32))
