@@ -1,0 +1,122 @@
+"""AttnResForCausalLM inside vLLM: the family's own vLLM model, its decoder layers' residual path an AttnRes stream.
+
+The model is built as vLLM builds the family (`LlamaForCausalLM`, `Qwen3MoeForCausalLM`, ...: its paged attention
+with the KV cache and prefix caching, its fused QKV and gate-up projections, MoE, rotary embeddings, norms and logits
+processor) and adopts that model's children, so every weight keeps the name and the loader of the family's vLLM
+model; the AttnRes pseudo-queries and key norms are added on its decoder layers and base model under their Kimi K3
+names, which that loader then fills like any other parameter.
+
+Only the forward is ours. vLLM hands the model one flattened batch of tokens (prefill chunks and decode tokens of
+every scheduled sequence together) and the depth aggregation is per token, so one residual stream serves the whole
+batch: Block takes the fused bank path (`attnres.layers.bank_stream`, one `[tokens, NB, d]` bank, no stacked
+sources), Full attends over its sources. Each sublayer runs as the saved layer plan says (PreNorm, body, post-body
+norms, residual scale; `attnres.models.family.Sublayer`), on the vLLM layer's children of the same names.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnres.layers import make_stream
+from attnres.models.family import Sublayer
+from attnres.models.modeling_attnres import _key_norm_eps
+from attnres.models.wiring import OUTPUT_POINT, SIDE_NAMES, _Norm, add_points
+from attnres.serving.checks import family_architecture
+
+# class attributes of a family's vLLM model that its weight loader and LoRA support read from the instance
+_FAMILY_CLASS_ATTRIBUTES = ("hf_to_vllm_mapper", "packed_modules_mapping", "embedding_modules")
+
+
+class AttnResForCausalLM(nn.Module):
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        family = family_architecture(config)
+        self._family_cls = ModelRegistry._try_load_model_cls(family)
+        if self._family_cls is None:
+            raise ValueError(f"base_model_type {config.base_model_type!r}: vLLM could not load its model {family}")
+        # the family model reads its fields from the AttnRes config, which reads them through from text_config
+        family_lm = self._family_cls(vllm_config=vllm_config, prefix=prefix)
+        for name, child in family_lm.named_children():
+            self.add_module(name, child)
+        for name, value in vars(family_lm).items():  # plain attributes its methods read (make_empty_..., ...)
+            if not name.startswith("_") and name not in ("training", "config"):
+                setattr(self, name, value)
+        for name in _FAMILY_CLASS_ATTRIBUTES:
+            if hasattr(self._family_cls, name):
+                setattr(self, name, getattr(self._family_cls, name))
+        self.sides = tuple(Sublayer.from_config(entry) for entry in config.attn_res_layer_plan)
+        _check_layer_names(self.model.layers[0], self.sides, family)
+        dim, eps = config.hidden_size, _key_norm_eps(config.text_config)
+        self.points = None
+        if config.residual != "standard":
+            points = [point for layer in self.model.layers for point in add_points(layer, SIDE_NAMES, dim, eps)]
+            self.points = points + list(add_points(self.model, (OUTPUT_POINT,), dim, eps))
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids `[tokens]` (or inputs_embeds `[tokens, d]`) of the flattened batch; the final norm's output."""
+        if intermediate_tensors is not None:
+            raise NotImplementedError("pipeline parallelism: AttnRes models are served on a single pipeline stage")
+        base, config = self.model, self.config
+        hidden = base.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        stream = make_stream(
+            config.residual,
+            hidden,
+            config.num_hidden_layers,
+            self.points,
+            block_size=config.attn_res_block_size,
+            rescale_mixture=config.attn_res_rescale_mixture,
+            two_phase=config.attn_res_two_phase,
+            inference=True,
+        )
+        for layer in base.layers:
+            for k, side in enumerate(self.sides):  # the plan's first side is the attention
+                x = _read(stream, layer, side)
+                stream.write(_run_sublayer(layer, side, x, positions if k == 0 else None))
+        return base.norm(stream.read())
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self._family_cls.compute_logits(self, hidden_states)
+
+    def load_weights(self, weights) -> set[str]:
+        return self._family_cls.load_weights(self, weights)
+
+
+def _read(stream, layer: nn.Module, side: Sublayer) -> torch.Tensor:
+    """The sublayer's normed input: the family's plain RMSNorm fused into the aggregation, any other norm (Gemma's
+    1 + w) applied to the mixture as the vLLM layer's own module."""
+    norm = getattr(layer, side.norm)
+    if side.fused_eps is not None:
+        return stream.read(_Norm(norm, side.fused_eps))
+    return norm(stream.read())
+
+
+def _run_sublayer(layer: nn.Module, side: Sublayer, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """v = scale * post(body(x)), with vLLM's calling convention: the attention takes the positions, the MLP x only."""
+    body = getattr(layer, side.body)
+    out = body(x) if positions is None else body(positions=positions, hidden_states=x)
+    for name, _ in side.post:
+        out = getattr(layer, name)(out)
+    return out * side.scale if side.scale != 1.0 else out
+
+
+def _check_layer_names(layer: nn.Module, sides: tuple[Sublayer, Sublayer], family: str) -> None:
+    missing = [n for side in sides for n in (side.norm, side.body, *(p for p, _ in side.post)) if not hasattr(layer, n)]
+    if missing:
+        raise ValueError(
+            f"attn_res_layer_plan: names {missing}, which vLLM's {family} decoder layer does not have; AttnRes models "
+            f"are served for families whose vLLM layers keep transformers' module names"
+        )
