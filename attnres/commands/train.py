@@ -10,7 +10,8 @@ import sys
 
 from attnres.distributed.data_parallel import PARALLEL
 from attnres.distributed.pipeline import SCHEDULES as PP_SCHEDULES
-from attnres.training.config import AUTOCAST, DEVICES, RESIDUALS, TrainConfig
+from attnres.layers.kinds import RESIDUAL_KINDS
+from attnres.training.config import AUTOCAST, DEVICES, TrainConfig
 from attnres.training.optim import SCHEDULES
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -38,7 +39,7 @@ def register(sub) -> None:
                    help="the last part of the token stream, held out for validation (default: %(default)s)")
 
     m = p.add_argument_group("model")
-    m.add_argument("--residual", choices=RESIDUALS, default=DEFAULTS["residual"], help="(default: %(default)s)")
+    m.add_argument("--residual", choices=RESIDUAL_KINDS, default=DEFAULTS["residual"], help="(default: %(default)s)")
     m.add_argument("--block-size", type=int, default=DEFAULTS["block_size"],
                    help="Block AttnRes block size, counted in decoder layers (default: %(default)s)")
     m.add_argument("--rescale-mixture", action="store_true",
@@ -94,13 +95,21 @@ def register(sub) -> None:
                    help="CPU threads for torch (default: torch's own choice). On a machine whose cores other jobs "
                    "share, 1 can be many times faster than 2")
 
-    dp = p.add_argument_group("distributed (launch with torchrun)")
+    dp = p.add_argument_group("distributed (launch with torchrun; --pp x --dp-replicate x --dp-shard x --tp = the ranks)")
+    dp.add_argument("--dp-shard", type=int, default=DEFAULTS["dp_shard"],
+                    help="data-parallel ranks that shard parameters, gradients and optimizer state (FSDP2, one group "
+                    "per decoder layer); -1: the ranks the other dimensions leave (default: %(default)s)")
+    dp.add_argument("--dp-replicate", type=int, default=DEFAULTS["dp_replicate"],
+                    help="data-parallel replicas (DDP alone, HSDP with --dp-shard) (default: %(default)s)")
+    dp.add_argument("--tp", type=int, default=DEFAULTS["tp"],
+                    help="tensor + sequence parallel ranks: attention heads and MLP columns split over them, the "
+                    "residual state over the sequence (dense families) (default: %(default)s)")
+    dp.add_argument("--pp", type=int, default=DEFAULTS["pp"],
+                    help="pipeline stages: the decoder layers cut into stages, the residual state sent between them "
+                    "(torch.distributed.pipelining) (default: %(default)s)")
     dp.add_argument("--parallel", choices=PARALLEL, default=DEFAULTS["parallel"],
-                    help="ddp: DistributedDataParallel; fsdp: FSDP2 (fully_shard per decoder layer); pipeline: "
-                    "decoder layers in stages over the ranks (torch.distributed.pipelining); tp: attention heads and MLP columns "
-                    "split over the ranks, the residual state over the sequence (dense families). Run under `torchrun "
-                    "--nproc-per-node N`; --batch-size is the global batch (ddp, fsdp: split over the N ranks); rank 0 "
-                    "logs and checkpoints (default: %(default)s)")
+                    help="shorthand for one dimension over every rank: ddp (--dp-replicate N), fsdp (--dp-shard N), "
+                    "tp (--tp N), pipeline (--pp N) (default: %(default)s)")
     dp.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=DEFAULTS["pp_schedule"],
                     help="pipeline schedule; interleaved needs --virtual-stages >= 2 (default: %(default)s)")
     dp.add_argument("--virtual-stages", type=int, default=DEFAULTS["virtual_stages"],

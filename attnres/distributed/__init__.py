@@ -12,12 +12,15 @@ from attnres.distributed.data_parallel import (
     collective_device,
     init_ranks,
     local_rows,
-    parallelize,
 )
+from attnres.distributed.mesh import MESH_DIMS, ParallelDims, build_mesh
 from attnres.distributed.pipeline import PipelinePlan, PipelineTrainer, hop_bytes, paper_rows
 from attnres.distributed.tensor_parallel import TensorParallel, parallelize_tensor
 
 __all__ = [
+    "MESH_DIMS",
+    "ParallelDims",
+    "build_mesh",
     "PARALLEL",
     "PipelinePlan",
     "PipelineTrainer",
@@ -31,6 +34,5 @@ __all__ = [
     "init_ranks",
     "local_rows",
     "paper_rows",
-    "parallelize",
     "parallelize_tensor",
 ]

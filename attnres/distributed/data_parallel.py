@@ -21,6 +21,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 PARALLEL = ("none", "ddp", "fsdp", "pipeline", "tp")
 DEFAULT_TIMEOUT_S = 300.0
@@ -49,24 +50,20 @@ class Ranks:
         return self.world_size > 1 or dist.is_initialized()
 
 
-def init_ranks(parallel: str, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ranks:
-    """Join the process group that `torchrun` (or a caller) describes; `parallel="none"`: a single process.
-
-    Uses an existing group if one is initialized; else reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the
-    environment (torchrun sets them) and starts one (gloo on CPU, nccl on CUDA) whose collectives time out after
-    `timeout_s` seconds.
-    """
-    if parallel not in PARALLEL:
-        raise ValueError(f"parallel: expected one of {', '.join(PARALLEL)}, got {parallel!r}")
-    if parallel == "none":
-        return Ranks()
+def init_ranks(parallel: bool, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ranks:
+    """Join the process group that `torchrun` (or a caller) describes: an initialized one, or one started from
+    torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; gloo on CPU, nccl on CUDA) whose collectives
+    time out after `timeout_s` seconds. Without either, a single process, unless `parallel` (a parallelism was asked
+    for) makes that an error."""
     if dist.is_initialized():
         return Ranks(dist.get_rank(), dist.get_world_size())
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing and not parallel:
+        return Ranks()
     if missing:
         raise ValueError(
-            f"parallel={parallel!r}: expected a launch by torchrun (e.g. `torchrun --nproc-per-node 2 -m attnres.cli "
-            f"train --parallel {parallel}`); the environment lacks {', '.join(missing)}"
+            "parallel: expected a launch by torchrun (e.g. `torchrun --nproc-per-node 4 -m attnres.cli train "
+            f"--dp-shard 2 --tp 2`); the environment lacks {', '.join(missing)}"
         )
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
@@ -89,12 +86,15 @@ def apply_ddp(model: nn.Module) -> nn.Module:
     return DistributedDataParallel(model)
 
 
-def apply_fsdp(model: nn.Module) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None = None, per_layer: bool = True) -> nn.Module:
     """FSDP2 (`fully_shard`) composed onto an unchanged `AttnResForCausalLM`, as torchtitan does: one group per
     decoder layer, one for the embedding, one for the head, then the root. Parameters, gradients and optimizer
-    state are sharded over the ranks; each group is gathered just before it runs, forward and backward, and freed
-    after (`reshard_after_forward`), so a layer's full parameters exist only while it runs. Changes `model` in place
-    and returns it.
+    state are sharded over the ranks of `mesh` (default: the world; a 2-D ("dp_replicate", "dp_shard") mesh shards
+    over the second and replicates over the first: HSDP); each group is gathered just before it runs, forward and
+    backward, and freed after (`reshard_after_forward`), so a layer's full parameters exist only while it runs.
+    `per_layer=False`: the root group only (every parameter gathered for the whole forward and backward; tensor
+    parallel needs it while it hands the family's modules local views of their parameters for a forward). Changes
+    `model` in place and returns it.
 
     A decoder layer's group is the whole layer: it takes the residual state and returns the new one, and hands on the
     rows it does not change as views of its own (`attnres.models.wiring`), so FSDP2's hooks on its outputs gather it
@@ -104,8 +104,8 @@ def apply_fsdp(model: nn.Module) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or any(getattr(layer, "sides", None) is None for layer in layers):
-        raise TypeError(f"model: expected a planned AttnResForCausalLM (decoder layers in .model.layers), got "
+    if layers is None:
+        raise TypeError(f"model: expected an AttnResForCausalLM (decoder layers in .model.layers), got "
                         f"{type(model).__name__}")
     # FSDP2 warns about every view a group returns, since an in-place op on it would skip its hook; a layer's views
     # (the rows it hands on) are never written in place while gradients are recorded
@@ -114,26 +114,25 @@ def apply_fsdp(model: nn.Module) -> nn.Module:
         message=r"FSDP2-wrapped module \(FSDPAttnResDecoderLayer\) returned a view tensor",
         category=UserWarning,
     )
-    for layer in layers:
-        fully_shard(layer)
-    if not model.config.tie_word_embeddings:
-        fully_shard(model.get_input_embeddings())
-        fully_shard(model.get_output_embeddings(), reshard_after_forward=False)
-    return fully_shard(model)
+    if per_layer:
+        for layer in layers:
+            if any(True for _ in layer.parameters()):  # a pipeline stage's placeholders for others' layers: none
+                fully_shard(layer, mesh=mesh)
+        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+        if not model.config.tie_word_embeddings:
+            for part, reshard in ((embed, True), (head, False)):
+                if part is not None:
+                    fully_shard(part, mesh=mesh, reshard_after_forward=reshard)
+    return fully_shard(model, mesh=mesh)
 
 
-def parallelize(model: nn.Module, parallel: str) -> nn.Module:
-    """The module to train: `model` itself ("none"), wrapped ("ddp") or sharded in place ("fsdp")."""
-    return {"none": lambda m: m, "ddp": apply_ddp, "fsdp": apply_fsdp}[parallel](model)
-
-
-def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, parallel: str) -> tuple[object, dict]:
+def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> tuple[object, dict]:
     """(what `save_checkpoint` saves the weights of, the optimizer's state dict), both whole on rank 0.
 
-    Under FSDP this gathers the shards (a collective: every rank calls it) into full CPU tensors, and the optimizer
+    With `sharded` parameters (DTensors: FSDP2, tensor parallel) this gathers the shards (a collective: every rank calls it) into full CPU tensors, and the optimizer
     state is keyed by parameter name (`torch.distributed.checkpoint.state_dict`); otherwise both are the plain ones.
     """
-    if parallel != "fsdp":
+    if not sharded:
         return model, optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
@@ -146,9 +145,9 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, paralle
     return _Weights({k: v.clone() for k, v in weights.items() if k not in aliases}), optim
 
 
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, parallel: str) -> None:
-    """Load what `checkpoint_state` saved (every rank reads the same full state; FSDP keeps its shard)."""
-    if parallel != "fsdp":
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, sharded: bool) -> None:
+    """Load what `checkpoint_state` saved (every rank reads the same full state and keeps its shard)."""
+    if not sharded:
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -166,11 +165,12 @@ class _Weights:
         return self.weights
 
 
-def local_rows(batch: torch.Tensor, ranks: Ranks) -> torch.Tensor:
-    """This rank's rows `[B / world, T]` of the global batch `[B, T]` (B must divide evenly)."""
-    if batch.shape[0] % ranks.world_size:
-        raise ValueError(f"batch_size: expected a multiple of the {ranks.world_size} ranks, got {batch.shape[0]}")
-    return batch.chunk(ranks.world_size)[ranks.rank]
+def local_rows(batch: torch.Tensor, index: int, count: int) -> torch.Tensor:
+    """Rows `[B / count, T]` number `index` of the global batch `[B, T]` (B must divide evenly): what data-parallel
+    rank `index` of `count` takes."""
+    if batch.shape[0] % count:
+        raise ValueError(f"batch_size: expected a multiple of the {count} data-parallel ranks, got {batch.shape[0]}")
+    return batch.chunk(count)[index]
 
 
 def mean_over_ranks(value: torch.Tensor, ranks: Ranks) -> float:
@@ -200,6 +200,15 @@ def on_main(fn: Callable[[], T], ranks: Ranks) -> T | None:
     return result
 
 
+def gather_on_main(value: T, ranks: Ranks) -> list[T]:
+    """Every rank's `value` (a small picklable one), in rank order, on rank 0; an empty list elsewhere."""
+    if ranks.world_size == 1:
+        return [value]
+    values = [None] * ranks.world_size if ranks.is_main else None
+    collective(lambda: dist.gather_object(value, values, dst=0), "gathering a log line")
+    return values or []
+
+
 def barrier(ranks: Ranks, what: str) -> None:
     if ranks.world_size > 1:
         collective(dist.barrier, what)
@@ -220,10 +229,10 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
 
 
 def is_collective_error(error: BaseException) -> bool:
-    """A failed collective: a DistError, or the backend's error as a plain RuntimeError (DDP's reducer, the
-    pipeline's send and receive)."""
-    text = str(error).lower()
-    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and ("gloo" in text or "nccl" in text))
+    """A failed collective, from an error raised by a call that runs collectives (a DDP backward, a pipeline
+    schedule): torch's `DistError` family, or a plain `RuntimeError`, the type the backend's errors have once the
+    autograd engine or the pipeline re-raises them. This rank's own errors have types of their own."""
+    return isinstance(error, dist.DistError) or type(error) is RuntimeError
 
 
 def collective(fn: Callable[[], T], what: str) -> T:

@@ -7,17 +7,20 @@ import os
 from dataclasses import dataclass, field
 
 from attnres.distributed.data_parallel import DEFAULT_TIMEOUT_S, PARALLEL
+from attnres.distributed.mesh import ParallelDims
 from attnres.distributed.pipeline import SCHEDULES as PP_SCHEDULES
+from attnres.layers.kinds import DEFAULT_BLOCK_SIZE, RESIDUAL_KINDS
 from attnres.training.optim import SCHEDULES
 
-RESIDUALS = ("standard", "full", "block")
 AUTOCAST = ("auto", "off", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 
 # settings that may change when a run is resumed: they do not change the parameters it ends with
 RESUMABLE_CHANGES = frozenset(
     {"resume", "stop_after", "progress", "log_interval", "eval_interval", "checkpoint_interval", "keep_checkpoints",
-     "allow_download", "out", "overwrite", "device", "threads", "dist_timeout"}
+     "allow_download", "out", "overwrite", "device", "threads", "dist_timeout",
+     # the mesh: a run resumes on another one (checkpoints reshard), with the same curve up to the sums' rounding
+     "parallel", "pp", "dp_replicate", "dp_shard", "tp", "pp_schedule", "virtual_stages", "microbatches"}
 )
 
 
@@ -35,7 +38,7 @@ class TrainConfig:
     base: str = "llama"  # the transformers decoder family (its model_type) the model is built from
     base_config: dict = field(default_factory=dict)  # more fields of the family's config (e.g. num_experts)
     residual: str = "block"
-    block_size: int = 2  # Block AttnRes block size, in decoder layers
+    block_size: int = DEFAULT_BLOCK_SIZE  # Block AttnRes block size, in decoder layers
     rescale_mixture: bool = False  # `attn_res_rescale_mixture` (docs/design.md section 2)
     layers: int = 6
     dim: int = 128
@@ -61,7 +64,11 @@ class TrainConfig:
     autocast: str = "auto"  # "auto": bf16 on CUDA, off on CPU (measured slower there); "off"; "bf16"
     device: str = "auto"
     threads: int | None = None  # CPU threads for torch (torch.set_num_threads, process-wide); None: torch's default
-    parallel: str = "none"  # "ddp", "fsdp" or "pipeline" under torchrun: `batch_size` is the global batch
+    parallel: str = "none"  # shorthand for one mesh dimension over every rank: "ddp", "fsdp", "tp", "pipeline"
+    pp: int = 1  # mesh (under torchrun): pipeline stages; `batch_size` is the global batch
+    dp_replicate: int = 1  # mesh: data-parallel replicas (DDP, or HSDP with dp_shard)
+    dp_shard: int = -1  # mesh: data-parallel shards (FSDP2); -1: the ranks the other dimensions leave
+    tp: int = 1  # mesh: tensor + sequence parallel ranks
     pp_schedule: str = "1f1b"  # pipeline: "gpipe", "1f1b" or "interleaved" (with virtual_stages >= 2)
     virtual_stages: int = 1  # pipeline: chunks of decoder layers a rank
     microbatches: int | None = None  # pipeline: None: one per stage (ranks x virtual_stages)
@@ -90,12 +97,22 @@ class TrainConfig:
         if self.warmup is not None:
             _check_int("warmup", self.warmup, minimum=0)
         _check_int("seed", self.seed, minimum=0)
-        _check_choice("residual", self.residual, RESIDUALS)
+        _check_choice("residual", self.residual, RESIDUAL_KINDS)
         _check_base(self.base, self.base_config)
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("autocast", self.autocast, AUTOCAST)
         _check_choice("device", self.device, DEVICES)
         _check_choice("parallel", self.parallel, PARALLEL)
+        for name in ("pp", "dp_replicate", "tp"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("dp_shard", self.dp_shard, minimum=-1)
+        if self.dp_shard == 0:
+            raise ValueError("dp_shard: expected a positive integer or -1 (the ranks left), got 0")
+        if self.parallel != "none" and self.parallel_dims_given:
+            raise ValueError(
+                f"parallel: {self.parallel!r} is a shorthand for one mesh dimension; give either it or "
+                f"--pp/--dp-replicate/--dp-shard/--tp"
+            )
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check_float("dist_timeout", self.dist_timeout, low=0, low_open=True)
         _check_float("lr", self.lr, low=0, low_open=True)
@@ -124,6 +141,19 @@ class TrainConfig:
     def default_out(self) -> str:
         family = "" if self.base == "llama" else f"{self.base}-"
         return os.path.join("runs", f"{family}{self.residual}-L{self.layers}-d{self.dim}-s{self.seed}")
+
+    @property
+    def parallel_dims_given(self) -> bool:
+        """Whether a mesh dimension is set (a torchrun launch without one runs FSDP2 over every rank)."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp) != (1, 1, -1, 1)
+
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        """The mesh for `world_size` ranks: `parallel`'s one dimension over all of them, or the mesh fields."""
+        shorthand = {"ddp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pipeline": "pp"}.get(self.parallel)
+        if shorthand is not None:
+            return ParallelDims.resolve(world_size, **{"dp_shard": 1, shorthand: world_size})
+        return ParallelDims.resolve(world_size, pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
+                                    tp=self.tp)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -19,12 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
 from attnres.distributed.data_parallel import (
-    RankFailed, barrier, end_ranks, init_ranks, is_collective_error, local_device, lost_rank_message, on_main,
+    RankFailed, barrier, end_ranks, gather_on_main, init_ranks, local_device, lost_rank_message,
+    on_main,
 )
+from attnres.distributed.mesh import build_mesh, memory_line
 from attnres.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from attnres.training.config import TrainConfig
 from attnres.training.data import WindowSampler, check_fits, eval_batches, load_tokenizer, read_corpus, tokenize_and_split
@@ -110,13 +113,13 @@ def train(config: TrainConfig, model: nn.Module | None = None) -> RunResult:
     environment when none is) calls `train`; see `attnres.training.steps`. A lost rank raises `RankFailed`.
     """
     device = _resolve_device(config.device)
-    ranks = init_ranks(config.parallel, device, config.dist_timeout)
+    ranks = init_ranks(config.parallel != "none" or config.parallel_dims_given, device, config.dist_timeout)
     try:
         return _train(config, model, ranks, local_device(device))
     except RuntimeError as e:
         if not ranks.distributed or isinstance(e, TrainingDiverged):
             raise
-        if isinstance(e, RankFailed) or is_collective_error(e):
+        if isinstance(e, (RankFailed, dist.DistError)):
             message = str(e) if isinstance(e, RankFailed) else lost_rank_message("training", e)
             raise RankFailed(f"{message} Resume from the last checkpoint with --resume.") from e
         raise
@@ -137,7 +140,8 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
     corpus = read_corpus(config.data, config.max_bytes)
     splits = tokenize_and_split(corpus, tokenizer, config.val_fraction)
     check_fits(splits, config.seq_len, config.val_fraction)
-    check_settings(config, ranks)
+    dims = config.parallel_dims(ranks.world_size)
+    check_settings(config, ranks, dims)
     data = {"corpus": corpus.description, "tokenizer": config.tokenizer, "vocab_size": tokenizer.vocab_size,
             "train_tokens": len(splits.train), "val_tokens": len(splits.val), "fingerprint": splits.fingerprint}
     run_info = describe_run(config, model, data, device, autocast_dtype)
@@ -148,7 +152,8 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
     checkpoints = run_dir / CHECKPOINTS
     last = (latest_checkpoint(checkpoints) if config.resume else None) or branch  # its own checkpoint comes first
     state = load_checkpoint(last, model) if last is not None else None  # into the whole model, before sharding
-    steps = training_steps(model, config, ranks)  # ddp wraps `model`, fsdp shards it, pipeline cuts it in chunks
+    mesh = build_mesh(dims, device.type) if ranks.distributed else None
+    steps = training_steps(model, config, ranks, dims, mesh)  # TP and FSDP shard `model`, DDP wraps it, PP cuts it
     optimizer = build_optimizer(
         model, lr=config.lr, weight_decay=config.weight_decay, attn_res_lr_mult=config.attn_res_lr_mult,
         attn_res_weight_decay=config.attn_res_weight_decay,
@@ -194,6 +199,9 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
                     log.write("diverged", step=step + 1, loss=loss_value, grad_norm=norm_value)
                     raise TrainingDiverged(step + 1, what, value, latest_checkpoint(checkpoints))
             optimizer.step()
+            if step == first_step:  # what each rank holds once gradients and optimizer state exist
+                for line in gather_on_main(memory_line(ranks.rank, model, optimizer), ranks):
+                    log.write("memory", step=step + 1, **line)
             optimizer.zero_grad(set_to_none=True)
             step += 1
             seconds = time.perf_counter() - t0

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 import attnres.training
-from attnres.distributed import Ranks, local_rows
+from attnres.distributed import local_rows
 from attnres.training import TrainConfig, read_log, train
 
 DATA = str(Path(attnres.training.__file__).parent)  # a few source files: quicker to read than the stdlib walk
@@ -74,8 +74,8 @@ def test_two_ranks_match_one_process_and_resume(two_ranks, tmp_path):
 
 def test_each_rank_keeps_a_disjoint_shard_of_the_global_batch():
     batch = torch.arange(12).reshape(6, 2)
-    shards = [local_rows(batch, Ranks(rank, 3)) for rank in range(3)]
+    shards = [local_rows(batch, rank, 3) for rank in range(3)]
     assert [s.shape[0] for s in shards] == [2, 2, 2]
     assert torch.equal(torch.cat(shards), batch)  # disjoint and complete, in rank order
-    with pytest.raises(ValueError, match="batch_size: expected a multiple of the 4 ranks, got 6"):
-        local_rows(batch, Ranks(0, 4))
+    with pytest.raises(ValueError, match="batch_size: expected a multiple of the 4 data-parallel ranks, got 6"):
+        local_rows(batch, 0, 4)

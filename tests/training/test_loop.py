@@ -41,8 +41,9 @@ def params(model) -> dict[str, torch.Tensor]:
 
 
 def training_curve(run_dir) -> list[tuple]:
-    """Every log line but the timings, which differ from run to run."""
-    return [(r["kind"], r["step"], r.get("loss"), r.get("lr"), r.get("grad_norm"), r.get("val_loss")) for r in read_log(run_dir)]
+    """Every log line but the timings and the memory lines (each invocation writes its own after its first step)."""
+    return [(r["kind"], r["step"], r.get("loss"), r.get("lr"), r.get("grad_norm"), r.get("val_loss"))
+            for r in read_log(run_dir) if r["kind"] != "memory"]
 
 
 def assert_same_params(a: dict, b: dict) -> None:

@@ -1,0 +1,68 @@
+"""One device mesh on 4 gloo ranks: each composition's training curve equals one process's, and each rank's memory
+line says it holds its share of the parameters, gradients and optimizer state. One launch runs every composition."""
+
+import pytest
+import torch
+
+from attnres.distributed import ParallelDims
+from attnres.training import TrainConfig, read_log, train
+from tests.distributed.test_data_parallel import tiny
+from tests.distributed.workers import run_ranks
+
+# dim and heads divisible by the tensor-parallel ranks; 4 layers cut into 2 or 4 pipeline stages
+SIZES = dict(layers=4, dim=32, heads=4, ffn=64, batch_size=8, residual="block", block_size=2)
+MESHES = {
+    "dp_shard 2 x tp 2": dict(dp_shard=2, tp=2),
+    "dp_replicate 2 x dp_shard 2": dict(dp_replicate=2, dp_shard=2),  # HSDP: sharded over 2, replicated over 2
+}
+
+
+def _mesh_runs(rank: int, tmp: str) -> None:
+    for name, dims in MESHES.items():
+        train(tiny(f"{tmp}/{name}", **SIZES, **dims))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mesh")
+    results = run_ranks(_mesh_runs, 4, str(tmp), timeout_s=60.0, join_s=600.0)
+    failed = {rank: value for rank, (status, value) in results.items() if status != "ok"}
+    if failed:
+        pytest.fail(f"a rank failed: {failed}")
+    return tmp
+
+
+def _curve(run_dir) -> list[tuple[str, int, float]]:
+    return [(r["kind"], r["step"], r.get("loss", r.get("val_loss"))) for r in read_log(run_dir)
+            if r["kind"] in ("train", "eval")]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_each_composition_follows_one_process(four_ranks, tmp_path, mesh):
+    reference = train(tiny(tmp_path / "one", **SIZES))
+    one, composed = _curve(reference.run_dir), _curve(four_ranks / mesh)
+    assert [c[:2] for c in composed] == [c[:2] for c in one]
+    torch.testing.assert_close([c[2] for c in composed], [c[2] for c in one], rtol=0, atol=1e-4)
+
+    memory = {r["rank"]: r for r in read_log(four_ranks / mesh, "memory")}
+    whole = read_log(reference.run_dir, "memory")[0]
+    assert sorted(memory) == [0, 1, 2, 3]
+    dims = MESHES[mesh]
+    share = 1 / (dims.get("dp_shard", 1) * dims.get("tp", 1))  # replicas hold a whole shard each
+    for line in memory.values():  # the share, and a little more: a few small tensors stay replicated under TP
+        for field in ("param_bytes", "grad_bytes", "optim_bytes"):
+            assert share * whole[field] * 0.99 <= line[field] <= 1.2 * share * whole[field], (mesh, line)
+
+
+def test_dims_fill_and_name_what_does_not_fit():
+    assert ParallelDims.resolve(8, tp=2) == ParallelDims(dp_shard=4, tp=2)
+    assert ParallelDims.resolve(8, pp=2, dp_replicate=2, tp=2).dp_shard == 1
+    with pytest.raises(ValueError, match="pp=1 x dp_replicate=1 x dp_shard=3 x tp=2 = 6: expected the world size 4"):
+        ParallelDims.resolve(4, dp_shard=3, tp=2)
+    with pytest.raises(ValueError, match="does not divide the world size 4"):
+        ParallelDims.resolve(4, tp=3)
+    with pytest.raises(ValueError, match="tp: expected a positive integer, got 0"):
+        ParallelDims.resolve(4, tp=0)
+    with pytest.raises(ValueError, match="parallel: 'fsdp' is a shorthand for one mesh dimension"):
+        TrainConfig(parallel="fsdp", tp=2)
+    assert TrainConfig(parallel="tp").parallel_dims(4) == ParallelDims(tp=4)
