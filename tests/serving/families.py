@@ -65,3 +65,13 @@ def greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> li
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer over the tiny vocabulary ("t0" .. "t127", split at spaces), so that a server speaks text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0").save_pretrained(folder)
