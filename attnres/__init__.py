@@ -28,9 +28,17 @@ __all__ = [
     "naive_depth_stats",
 ]
 
-# Importing the models registers "attnres" with transformers' Auto classes (AutoConfig, AutoModel,
+# Importing the models package registers "attnres" with transformers' Auto classes (AutoConfig, AutoModel,
 # AutoModelForCausalLM), so `import attnres` is all a saved folder needs to load through them, and through the tools
-# built on them (pipeline, Trainer, lm-evaluation-harness), without trust_remote_code. It imports transformers.
-from attnres.models import AttnResConfig, AttnResForCausalLM, AttnResModel, convert_from_hf  # noqa: E402
+# built on them (pipeline, Trainer, lm-evaluation-harness), without trust_remote_code. The model classes themselves
+# load on first use (`attnres.models`).
+import attnres.models  # noqa: E402
 
-__all__ += ["AttnResConfig", "AttnResForCausalLM", "AttnResModel", "convert_from_hf"]
+_FROM_MODELS = ("AttnResConfig", "AttnResForCausalLM", "AttnResModel", "convert_from_hf")
+__all__ += list(_FROM_MODELS)
+
+
+def __getattr__(name: str):
+    if name in _FROM_MODELS:
+        return getattr(attnres.models, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

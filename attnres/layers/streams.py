@@ -290,13 +290,17 @@ class BlockStream(ResidualStream):
         return out if norm is not None else self._finish_unfused(out, num_sources)
 
 
-@torch.compiler.assume_constant_result  # traced, the first selection would probe (and build) the CPU kernel
 def backend_takes_two_phase(device_type: str, dtype: torch.dtype, d: int, stats_rows: int, training: bool) -> bool:
     """False where the backend says two-phase never pays there (in `training`), or where it has a one-shot kernel but
     no phase-1 kernel for `stats_rows` rows or queries (its kernel beats torch ops)."""
     one_shot = backend_for(device_type, dtype, d)
     phase1 = backend_for(device_type, dtype, d, stats_rows)
     return (one_shot.two_phase_trains or not training) and not phase1.name == TORCH.name != one_shot.name
+
+
+# Traced, the first selection would probe (and build) the CPU kernel: a constant to torch.compile. This is what
+# `torch.compiler.assume_constant_result` does; calling it would import torch._dynamo (seconds) with `import attnres`.
+backend_takes_two_phase._dynamo_marked_constant = True
 
 
 # The bound two-phase keeps against one-shot, per token and point: two fp32 numbers (a test measures it)

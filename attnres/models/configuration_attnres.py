@@ -7,7 +7,6 @@ from dataclasses import fields
 from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers import AutoConfig, PreTrainedConfig
-from transformers.activations import ACT2FN
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 try:  # transformers >= 5.18 describes sub-configs with specs; 5.17 with one config class per key
@@ -201,6 +200,8 @@ def _check_attention_fields(config) -> None:
     if eps is not None and not eps > 0:
         raise ValueError(f"rms_norm_eps: expected a positive number, got {eps}")
     act = getattr(config, "hidden_act", None)
+    from transformers.activations import ACT2FN  # here: it imports transformers' kernel hub (a second)
+
     if isinstance(act, str) and act not in ACT2FN:
         raise ValueError(f"hidden_act: expected an activation transformers knows (ACT2FN), got {act!r}")
 
