@@ -13,10 +13,10 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from attnres.bench.config import DTYPES, SuiteConfig
 from attnres.bench.models import FastRMSNorm
 from attnres.bench.timing import median_times
 from attnres.layers import DepthAttention, make_stream
@@ -25,10 +25,6 @@ from attnres.ops.backends import last_backend
 from attnres.ops.bank import bank_aggregate
 from attnres.ops.naive import naive_bank_aggregate, naive_depth_attention
 
-if TYPE_CHECKING:
-    from attnres.bench.suite import SuiteConfig
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EPS = 1e-6
 SUM = "torch.sum"
 TWIN = "twin"

@@ -8,9 +8,8 @@ from pathlib import Path
 import torch
 
 from attnres.bench import SuiteConfig, run_suite
-from attnres.bench.cases import DTYPES
+from attnres.bench.config import DTYPES, GROUPS
 from attnres.bench.report import markdown_table, write_chart, write_json
-from attnres.bench.suite import GROUPS
 
 DEFAULTS = SuiteConfig()
 

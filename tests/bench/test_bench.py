@@ -9,7 +9,7 @@ import pytest
 
 from attnres import cli
 from attnres.bench.cases import CompiledPeer
-from attnres.bench.suite import SuiteConfig
+from attnres.bench.config import SuiteConfig
 from attnres.bench.timing import copy_bandwidth, median_times
 
 CASE_PREFIXES = ("operator fwd ", "operator fwd+bwd ", "residual stream fwd+bwd ", "residual stream inference ",
