@@ -39,9 +39,9 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
+from attnres.atomic import atomic_write_text  # noqa: E402
 from attnres.bench.models import KINDS, add_model_args, build_models  # noqa: E402
 from attnres.bench.timing import median_times  # noqa: E402
-from attnres.training.checkpoint import atomic_write_text  # noqa: E402
 
 MIB = 2**20
 BASELINE = "transformers"  # transformers' own LlamaForCausalLM, the same weights

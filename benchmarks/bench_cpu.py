@@ -46,8 +46,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from attnres.atomic import atomic_write_text
 from attnres.ops import cpu
-from attnres.training.checkpoint import atomic_write_text
 from attnres.ops.depth_attention import torch_depth_attention_bwd, torch_depth_attention_fwd
 from attnres.ops.two_phase import torch_depth_stats_bwd, torch_depth_stats_fwd
 

@@ -21,9 +21,9 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import attnres
+from attnres.atomic import atomic_write_text
 from attnres.bench.models import decode_step, training_step
 from attnres.bench.timing import median_times
-from attnres.training.checkpoint import atomic_write_text
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

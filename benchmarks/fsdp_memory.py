@@ -35,8 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
+from attnres.atomic import atomic_write_text  # noqa: E402
 from attnres.bench.models import add_model_args  # noqa: E402
-from attnres.training.checkpoint import atomic_write_text  # noqa: E402
 
 MIB = 2**20
 MODES = ("ddp", "fsdp_root", "fsdp_per_layer", "pipeline")

@@ -58,8 +58,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from attnres.atomic import atomic_write_text  # noqa: E402
 from attnres.models import AttnResConfig, AttnResForCausalLM  # noqa: E402
-from attnres.training.checkpoint import atomic_write_text  # noqa: E402
 
 MIB = 2**20
 KERNEL_OPS = ("fwd", "bwd", "stats_fwd", "stats_bwd", "bank_aggregate", "bank_merge", "merge_fwd", "merge_bwd")

@@ -39,9 +39,9 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
 from attnres.analysis.cost import DTYPE_BYTES, residual_cost  # noqa: E402
+from attnres.atomic import atomic_write_text  # noqa: E402
 from attnres.distributed import parallelize_tensor  # noqa: E402
 from attnres.models import AttnResConfig, AttnResForCausalLM  # noqa: E402
-from attnres.training.checkpoint import atomic_write_text  # noqa: E402
 
 _GATHERS = {"all_gather_into_tensor", "allgather_", "_allgather_base_"}
 _REDUCES = {"reduce_scatter_tensor", "reduce_scatter_", "_reduce_scatter_base_", "all_reduce", "allreduce_"}

@@ -32,8 +32,8 @@ from pathlib import Path
 
 from study import COMMON, Ledger, gap_stats, progress, timed_run, verdict
 
+from attnres.atomic import atomic_write_text
 from attnres.training import TrainConfig
-from attnres.training.checkpoint import atomic_write_text
 from attnres.training.optim import wsd_decay_start
 
 SIZES = {"L6-d64": dict(layers=6, dim=64, heads=4, block_size=2), "L12-d64": dict(layers=12, dim=64, heads=4, block_size=2)}

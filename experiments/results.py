@@ -22,8 +22,8 @@ import stability
 from study import gap_stats, verdict
 
 from attnres.analysis.report import seed_losses
+from attnres.atomic import atomic_write_text
 from attnres.commands import compare as compare_command
-from attnres.training.checkpoint import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ("The paper (Kimi Team 2026) reports Block AttnRes (8 blocks) about 0.02 nats lower validation loss than PreNorm "

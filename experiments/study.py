@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from attnres.atomic import atomic_write_text
 from attnres.training import TrainConfig, train
-from attnres.training.checkpoint import atomic_write_text
 from attnres.training.logs import read_log
 
 # The data and the optimiser every study shares: `attnres compare`'s (the Python standard library's sources, bytes,

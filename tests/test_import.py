@@ -43,3 +43,11 @@ def test_the_model_classes_load_on_first_use_through_the_auto_classes():
         "assert type(model).__name__ == 'AttnResForCausalLM' and type(model) is attnres.AttnResForCausalLM"
     )
     assert "attnres.models.modeling_attnres" in loaded_after(code)
+
+
+def test_generation_reads_run_folders_without_the_training_code():
+    """The run folder's layout lives below both (`attnres.run_layout`): loading a run for generation needs no
+    training module (its distributed and optimiser code)."""
+    loaded = loaded_after("import attnres.inference")
+    assert "attnres.run_layout" in loaded
+    assert [name for name in loaded if name.startswith("attnres.training")] == []

@@ -19,9 +19,9 @@ import torch
 
 from attnres.analysis.plots import plot_depth_weights, plot_layer_curves, plot_loss_curves
 from attnres.analysis.profile import DepthProfile, depth_profile
+from attnres.atomic import atomic_write_text
 from attnres.layers.kinds import STANDARD
 from attnres.training import TrainConfig, train
-from attnres.training.checkpoint import atomic_write_text
 from attnres.training.data import eval_batches, load_tokenizer, read_corpus, tokenize_and_split
 from attnres.training.logs import read_log
 

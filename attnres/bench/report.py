@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no screen
 import matplotlib.pyplot as plt  # noqa: E402
 
-from attnres.training.checkpoint import atomic_write, atomic_write_text  # noqa: E402
+from attnres.atomic import atomic_write, atomic_write_text  # noqa: E402
 
 
 def write_json(result: dict, path: str | Path) -> Path:

@@ -27,11 +27,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from attnres.models import AttnResConfig
+from attnres.run_layout import CHECKPOINTS, CONFIG_FILE, FINAL, MODEL_FILE, is_run_config, list_checkpoints
 from attnres.tokenization import BYTE_VOCAB_SIZE, SEPARATOR_ID, byte_tokenizer, is_byte_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-FINAL = "final"  # the transformers folder of a finished training run
-_CHECKPOINTS, _CHECKPOINT_PREFIX, _WEIGHTS = "checkpoints", "step-", "model.safetensors"  # a run's checkpoints
 
 
 class ByteStreamer(BaseStreamer):
@@ -62,12 +61,12 @@ class ByteStreamer(BaseStreamer):
 def load_for_generation(folder: str | Path, device: str | torch.device = "cpu"):
     """(model in eval mode on `device`, its transformers tokenizer) of a model folder or a training run folder."""
     folder = Path(folder)
-    config_path = folder / "config.json"
+    config_path = folder / CONFIG_FILE
     if not config_path.is_file():
         raise ValueError(f"model: {folder} holds no config.json (expected a save_pretrained folder or a training run)")
     saved = json.loads(config_path.read_text(encoding="utf-8"))
-    if "train" in saved and "model" in saved:  # a run folder of `attnres train`
-        if (folder / FINAL / "config.json").is_file():
+    if is_run_config(saved):  # a run folder of `attnres train`
+        if (folder / FINAL / CONFIG_FILE).is_file():
             return load_for_generation(folder / FINAL, device)
         model, tokenizer = _load_run_checkpoint(folder, saved)
     elif saved.get("model_type") == "attnres":
@@ -90,17 +89,14 @@ def _load_run_checkpoint(folder: Path, saved: dict):
 
     if saved["model"].get("model_type") != "attnres":
         raise ValueError(f"model: {folder} was trained with a model of its own ({saved['model']}); load it yourself")
-    steps = sorted(
-        (int(p.name[len(_CHECKPOINT_PREFIX):]), p) for p in (folder / _CHECKPOINTS).glob(f"{_CHECKPOINT_PREFIX}*")
-        if p.name[len(_CHECKPOINT_PREFIX):].isdigit() and (p / _WEIGHTS).is_file()
-    )
-    if not steps:
+    checkpoints = [p for p in list_checkpoints(folder / CHECKPOINTS) if (p / MODEL_FILE).is_file()]
+    if not checkpoints:
         raise ValueError(f"model: the run {folder} has neither a {FINAL}/ folder nor a checkpoint yet")
     model = AutoModelForCausalLM.from_config(AttnResConfig.from_dict(saved["model"]))
-    missing, unexpected = load_model(model, str(steps[-1][1] / _WEIGHTS), strict=False)
+    missing, unexpected = load_model(model, str(checkpoints[-1] / MODEL_FILE), strict=False)
     if missing or unexpected:
         raise ValueError(
-            f"model: {steps[-1][1]} does not match the run's model: missing {sorted(missing)}, "
+            f"model: {checkpoints[-1]} does not match the run's model: missing {sorted(missing)}, "
             f"unexpected {sorted(unexpected)}"
         )
     name = saved["train"].get("tokenizer", "bytes")

@@ -1,7 +1,8 @@
 """Training: a corpus that needs no download, AdamW with an AttnRes learning-rate group, atomic checkpoints,
 bit-exact resume, JSONL logs. `train(TrainConfig(...)) -> RunResult` runs one training in-process."""
 
-from attnres.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from attnres.run_layout import latest_checkpoint
+from attnres.training.checkpoint import load_checkpoint, save_checkpoint
 from attnres.training.config import TrainConfig
 from attnres.training.data import ByteTokenizer, WindowSampler, eval_batches, load_tokenizer, read_corpus, tokenize_and_split
 from attnres.training.logs import read_log

@@ -11,9 +11,9 @@ import json
 import os
 from pathlib import Path
 
-from attnres.training.checkpoint import atomic_write_text
+from attnres.atomic import atomic_write_text
+from attnres.run_layout import LOG_FILE
 
-LOG_FILE = "log.jsonl"
 
 
 def read_log(run_dir: str | os.PathLike, kind: str | None = None) -> list[dict]:

@@ -24,17 +24,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from attnres.training.checkpoint import (
-    MODEL_FILE, STATE_FILE, atomic_write_dir, atomic_write_text, checkpoint_name, checkpoint_step, latest_checkpoint,
-    load_checkpoint,
+from attnres.atomic import atomic_write_dir, atomic_write_text
+from attnres.run_layout import (
+    CHECKPOINTS, CONFIG_FILE, FINAL, LOG_FILE, MODEL_FILE, STATE_FILE, checkpoint_name, checkpoint_step,
+    latest_checkpoint,
 )
+from attnres.training.checkpoint import load_checkpoint
 from attnres.training.config import RESUMABLE_CHANGES, TrainConfig
-from attnres.training.logs import LOG_FILE
 from attnres.training.optim import wsd_decay_start
-
-CONFIG_FILE = "config.json"
-CHECKPOINTS = "checkpoints"
-FINAL = "final"
 
 
 def describe_run(config: TrainConfig, model: nn.Module, data: dict, device: torch.device,

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from attnres import atomic
 from attnres.training import checkpoint as ckpt
 
 
@@ -34,12 +35,12 @@ def state_of(step: int) -> dict:
 
 def test_atomic_write_failure_keeps_the_old_file(tmp_path):
     path = tmp_path / "config.json"
-    ckpt.atomic_write_text(path, "old")
+    atomic.atomic_write_text(path, "old")
     with pytest.raises(Failure):
-        ckpt.atomic_write(path, partial_then_fail(lambda tmp: tmp.write_text("new content, long enough")))
+        atomic.atomic_write(path, partial_then_fail(lambda tmp: tmp.write_text("new content, long enough")))
     assert path.read_text() == "old"
     assert os.listdir(tmp_path) == ["config.json"]  # the temporary file is gone
-    ckpt.atomic_write_text(path, "new")
+    atomic.atomic_write_text(path, "new")
     assert path.read_text() == "new"
 
 

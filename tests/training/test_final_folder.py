@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from attnres.atomic import atomic_write_dir
 from attnres.cli import main
 from attnres.tokenization import byte_tokenizer, is_byte_tokenizer
 from attnres.training import ByteTokenizer, TrainConfig, latest_checkpoint, read_corpus, tokenize_and_split, train
-from attnres.training.checkpoint import atomic_write_dir
 
 TEXTS = ["def f(x):\n    return x  # ASCII\n", "héllo wörld", "日本語のテキスト", "emoji 🙂 and Ā (U+0100)",
          "\t\r\n ~"]
