@@ -97,8 +97,18 @@ def test_the_recompute_draws_the_same_dropout_masks(residual, use_reentrant):
     assert_same_step(training_step(model), want)
 
 
-def test_a_model_with_attention_dropout_builds():
-    make_model("llama", "block", attention_dropout=0.3)
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_attention_dropout_set_in_the_config_acts_and_checkpoints_exactly(use_reentrant):
+    """`attention_dropout` in the config reaches the family's attention, drops out in training only, and the
+    checkpointed step is the same step."""
+    model = make_model("llama", "block", attention_dropout=0.3)
+    assert [layer.self_attn.attention_dropout for layer in model.model.layers] == [0.3] * BASE["num_hidden_layers"]
+    want = training_step(model)
+    model.eval()
+    assert not torch.equal(training_step(model)[0], want[0])
+    model.train()
+    model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+    assert_same_step(training_step(model), want)
 
 
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
