@@ -30,8 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-from study import COMMON, Ledger, gap_stats, progress, timed_run, verdict
+from study import COMMON, Ledger, progress, timed_run, verdict
 
+from attnres.analysis.stats import paired_gaps
 from attnres.atomic import atomic_write_text
 from attnres.training import TrainConfig
 from attnres.training.optim import wsd_decay_start
@@ -100,7 +101,7 @@ def summarise(runs: dict, ratios: dict[str, float] | None = None) -> list[dict]:
                 at = interpolate_log(standard, budget * ratio) if ratio else None
                 if at is not None:
                     matched.append(by["block", s, budget]["val_loss"] - at)
-            stats, matched_stats = gap_stats(gaps), gap_stats(matched)
+            stats, matched_stats = paired_gaps(gaps), paired_gaps(matched)
             rows.append({
                 "size": size, "budget": budget, "tokens": budget * mine[0]["tokens"] // mine[0]["steps"],
                 "num_params": {res: next((r["num_params"] for r in mine if r["residual"] == res), None)

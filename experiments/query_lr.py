@@ -22,7 +22,9 @@ import sys
 from pathlib import Path
 
 import budget
-from study import Ledger, gap_stats, progress, timed_run, verdict
+from study import Ledger, progress, timed_run, verdict
+
+from attnres.analysis.stats import paired_gaps
 
 SIZE, BUDGET = "L6-d64", 1200
 
@@ -51,7 +53,7 @@ def summarise(runs: dict) -> list[dict]:
     rows = []
     for mult in sorted({r["attn_res_lr_mult"] for r in runs.values() if r["residual"] == "block"}):
         block = {r["seed"]: r["val_loss"] for r in runs.values() if r["residual"] == "block" and r["attn_res_lr_mult"] == mult}
-        stats = gap_stats([block[s] - standard[s] for s in sorted(block) if s in standard])
+        stats = paired_gaps([block[s] - standard[s] for s in sorted(block) if s in standard])
         rows.append({"attn_res_lr_mult": mult, "val_loss": {str(s): v for s, v in sorted(block.items())},
                      "mean": statistics.mean(block.values()), "gap": stats, "verdict": verdict(stats)})
     return rows

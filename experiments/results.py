@@ -19,9 +19,10 @@ from pathlib import Path
 import budget
 import query_lr
 import stability
-from study import gap_stats, verdict
+from study import verdict
 
 from attnres.analysis.report import seed_losses
+from attnres.analysis.stats import paired_gaps
 from attnres.atomic import atomic_write_text
 from attnres.commands import compare as compare_command
 
@@ -120,7 +121,7 @@ def query_lr_conclusion(data: dict) -> str:
     best = min(by, key=lambda m: statistics.mean(by[m].values()))
     if best == 0.1:
         return "0.1 (the `attnres train` default) has the lowest mean loss; the default stays."
-    paired = gap_stats([by[best][s] - by[0.1][s] for s in sorted(by[best]) if s in by[0.1]])
+    paired = paired_gaps([by[best][s] - by[0.1][s] for s in sorted(by[best]) if s in by[0.1]])
     reading = verdict(paired).replace("AttnRes lower", f"{best:g} lower").replace("standard lower", "0.1 lower")
     return (f"{best:g} has the lowest mean loss; against 0.1 (paired by seed): {interval(paired)}, {reading}. "
             + ("The default stays 0.1: the difference is not resolved." if paired["ci95"] is None
@@ -179,7 +180,7 @@ def compare_losses(data: dict, baseline: dict | None = None) -> dict[str, dict[i
 def paired(losses: dict[str, dict], residual: str) -> dict:
     """The gap of `residual` to standard, paired by key (seed, or warm-up and seed)."""
     mine, base = losses.get(residual, {}), losses["standard"]
-    return gap_stats([mine[k] - base[k] for k in sorted(base) if k in mine])
+    return paired_gaps([mine[k] - base[k] for k in sorted(base) if k in mine])
 
 
 def short_budget_rows() -> list[tuple[str, str, dict, dict]]:
@@ -192,7 +193,7 @@ def short_budget_rows() -> list[tuple[str, str, dict, dict]]:
                 losses.setdefault(r["residual"], {})[r["warmup"], r["seed"]] = r["val_loss"]
         rows.append((f"{stall['setup']['attn_res_lr_mult']:g}", "docs/warmup_stall.json, warm-ups "
                      f"{min(w for w, _ in losses['standard'])}-{max(w for w, _ in losses['standard'])}",
-                     paired(losses, "block"), paired(losses, "full") if "full" in losses else gap_stats([])))
+                     paired(losses, "block"), paired(losses, "full") if "full" in losses else paired_gaps([])))
     if main := load("compare_summary"):
         for name, data in (("compare_summary", main), ("compare_summary_x01", load("compare_summary_x01"))):
             if data is None:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
-import math
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from attnres.analysis.stats import verdict as stats_verdict
 from attnres.atomic import atomic_write_text
 from attnres.training import TrainConfig, train
 from attnres.training.logs import read_log
@@ -31,8 +30,6 @@ LEARNED = 2.5
 # the band of validation loss (nats/byte) where the runs slow down after the first fast drop
 PLATEAU = (3.2, 2.9)
 
-# t quantiles t_{0.975, df} for two-sided 95% intervals of a mean over df + 1 seeds (df 1..10)
-T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 
 
 class Ledger:
@@ -118,28 +115,20 @@ def plateau_steps(curve: list[tuple[int, float]]) -> int | None:
     return None if into is None or out is None else out - into
 
 
-def gap_stats(gaps: list[float]) -> dict:
-    """Mean, sample standard deviation and two-sided 95% t interval of per-seed gaps (None where undefined)."""
-    n = len(gaps)
-    mean = statistics.mean(gaps) if gaps else None
-    std = statistics.stdev(gaps) if n > 1 else None
-    half = T975[n - 2] * std / math.sqrt(n) if n > 1 and n - 2 < len(T975) else None
-    return {"n": n, "mean": mean, "std": std, "ci95": None if half is None else [mean - half, mean + half],
-            "gaps": gaps}
+_READINGS = {
+    "below": "AttnRes lower (95% interval below 0)",
+    "above": "standard lower (95% interval above 0)",
+    "noise": "no measurable difference (95% interval spans 0)",
+}
 
 
 def verdict(stats: dict) -> str:
-    """What a gap's interval says: which side leads, or within noise."""
+    """What a gap's interval says (`attnres.analysis.stats.verdict`), in the words of the result pages."""
     if not stats["n"]:
         return "not measured"
     if stats["ci95"] is None:
         return "one seed: no interval"
-    low, high = stats["ci95"]
-    if high < 0:
-        return "AttnRes lower (95% interval below 0)"
-    if low > 0:
-        return "standard lower (95% interval above 0)"
-    return "no measurable difference (95% interval spans 0)"
+    return _READINGS[stats_verdict(tuple(stats["ci95"]))]
 
 
 def progress(name: str, record: dict) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from attnres.analysis.plots import plot_depth_weights, plot_layer_curves, plot_loss_curves
 from attnres.analysis.profile import DepthProfile, depth_profile
+from attnres.analysis.stats import t_interval, verdict
 from attnres.atomic import atomic_write_text
 from attnres.layers.kinds import STANDARD
 from attnres.training import TrainConfig, train
@@ -29,15 +30,15 @@ SUMMARY = "summary.json"
 
 
 def compare(base: TrainConfig, residuals: list[str], out: str | Path, profile_size: int = 4,
-            seeds: Sequence[int] | None = None, noise_std: float | None = None,
+            seeds: Sequence[int] | None = None, noise_std: float | None = None, noise_dof: int | None = None,
             noise_source: str | None = None) -> dict:
     """Train `base` once per residual kind and seed (same data, size and schedule), profile each kind's first seed
     on one validation batch.
 
     `seeds` (default: `base.seed` alone) are run in order; the first seed of a kind trains in `<out>/<residual>/`,
     the others in `<out>/<residual>-s<seed>/`. Each kind's `val_loss` is the mean over its seeds, `seeds` the
-    per-seed results. `noise_std` (with `noise_source`, where it was measured) is the seed standard deviation to
-    judge the gaps by when no kind has two seeds. Returns the summary written to `<out>/summary.json` (with the
+    per-seed results. `noise_std` (with its degrees of freedom `noise_dof` and `noise_source`, where it was measured)
+    is the seed standard deviation to judge the gaps by when no kind has two seeds. Returns the summary written to `<out>/summary.json` (with the
     verdict, see `judge`); the pictures are drawn beside it.
     """
     out = Path(out)
@@ -69,8 +70,9 @@ def compare(base: TrainConfig, residuals: list[str], out: str | Path, profile_si
         }
     summary = {"config": dataclasses.replace(base, seed=seeds[0]).to_dict(), "seeds": seeds, "runs": runs}
     if noise_std is not None:
-        summary["noise"] = {"std": noise_std, "source": noise_source or "given"}
+        summary["noise"] = {"std": noise_std, "dof": noise_dof, "source": noise_source or "given"}
     summary["verdict"] = judge(seed_losses(summary), noise_std=noise_std, noise_source=noise_source,
+                               noise_dof=noise_dof,
                                budget=budget_text(summary), unit=loss_unit(base.tokenizer))
     atomic_write_text(out / SUMMARY, json.dumps(summary, indent=1))
     draw(out)
@@ -176,25 +178,29 @@ def pooled_seed_std(losses: Mapping[str, Sequence[float]]) -> tuple[float, int] 
 
 
 def judge(losses: Mapping[str, Sequence[float]], baseline: str = STANDARD, noise_std: float | None = None,
-          noise_source: str | None = None, budget: str = "this budget", unit: str = "nats/byte") -> dict:
+          noise_source: str | None = None, noise_dof: int | None = None, budget: str = "this budget",
+          unit: str = "nats/byte") -> dict:
     """What the gaps mean, computed from the per-seed validation losses of each kind.
 
-    The noise is the seed standard deviation `s` pooled over the kinds, or `noise_std` (measured elsewhere, named
-    by `noise_source`) when no kind has two seeds. A gap (kind mean minus baseline mean) whose size is under two
-    standard errors, `2 s sqrt(1/n_kind + 1/n_baseline)`, is within seed noise; a larger one is a lead, reported in
-    `unit` and in seed standard deviations. Returns `{"noise_std", "noise_source", "gaps": {kind: {...}},
-    "line"}`; `line` is the closing sentence `attnres compare` prints.
+    The noise is the seed standard deviation `s` pooled over the kinds (its degrees of freedom: the seeds less one
+    per kind), or `noise_std` with `noise_dof` (measured elsewhere, named by `noise_source`) when no kind has two
+    seeds. A gap (kind mean minus baseline mean) is judged by its 95% t interval, gap +- t_{0.975, dof} s
+    sqrt(1/n_kind + 1/n_baseline) (`attnres.analysis.stats`): one that spans 0 is within seed noise, another is a
+    lead, reported in `unit` and in seed standard deviations. Returns `{"noise_std", "noise_source", "gaps": {kind:
+    {...}}, "line"}`; `line` is the closing sentence `attnres compare` prints.
     """
     if baseline not in losses:
         return {"noise_std": None, "noise_source": None, "gaps": {},
                 "line": f"No {baseline} run: nothing to compare against."}
     pooled = pooled_seed_std(losses)
     if pooled is not None:
-        std, source = pooled[0], f"pooled over {sum(len(v) for v in losses.values())} runs, {pooled[1]} dof"
+        (std, dof), source = pooled, f"pooled over {sum(len(v) for v in losses.values())} runs, {pooled[1]} dof"
     elif noise_std is not None:
-        std, source = noise_std, noise_source or "given"
+        if noise_dof is None:
+            raise ValueError("noise_dof: the degrees of freedom of noise_std are needed for its t interval")
+        std, dof, source = noise_std, noise_dof, noise_source or "given"
     else:
-        std, source = None, None
+        std, dof, source = None, None, None
     n_base, base = len(losses[baseline]), statistics.mean(losses[baseline])
     gaps, parts = {}, []
     for name, values in losses.items():
@@ -208,15 +214,18 @@ def judge(losses: Mapping[str, Sequence[float]], baseline: str = STANDARD, noise
             parts.append(f"{label} {gap:+.4f} (one seed, no seed spread to judge it by)")
         else:
             se = std * math.sqrt(1 / len(values) + 1 / n_base)
-            entry.update(se=se, in_std=abs(gap) / std if std > 0 else None)
-            if abs(gap) < 2 * se or (se == 0 and gap == 0):
+            low, high = t_interval(gap, se, dof)
+            entry.update(se=se, ci95=[low, high], in_std=abs(gap) / std if std > 0 else None)
+            side = verdict((low, high))
+            if side == "noise":
                 entry["verdict"] = "noise"
-                parts.append(f"{label} {gap:+.4f}: within seed noise at this budget (2 standard errors: {2 * se:.4f})")
+                parts.append(f"{label} {gap:+.4f}: within seed noise at this budget (95% t interval "
+                             f"{low:+.4f} to {high:+.4f})")
             else:
-                entry["verdict"] = "lead" if gap < 0 else "behind"
+                entry["verdict"] = "lead" if side == "below" else "behind"
                 who = f"{label} leads {baseline}" if gap < 0 else f"{baseline} leads {label}"
                 spreads = f"{entry['in_std']:.1f} seed spreads" if std > 0 else "no spread between the seeds"
-                parts.append(f"{who} by {abs(gap):.4f} {unit} ({spreads})")
+                parts.append(f"{who} by {abs(gap):.4f} {unit} ({spreads}; 95% t interval {low:+.4f} to {high:+.4f})")
         gaps[name] = entry
     noise = f"seed spread (std) {std:.4f} {unit}, {source}" if std is not None else "no seed spread"
     counts = sorted({len(v) for v in losses.values()})

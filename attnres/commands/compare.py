@@ -19,6 +19,7 @@ WARMUP = 100
 # gaps by it, since one seed per residual measures no spread of its own. tests/analysis/test_compare.py checks it,
 # and the numbers below, against docs/warmup_stall.json.
 MEASURED_SEED_STD = 0.0483
+MEASURED_SEED_DOF = 6
 MEASURED_SEED_STD_SOURCE = "docs/warmup_stall.json: standard and Block, 2 seeds, warm-ups 100-200"
 
 WARMUP_HELP = """\
@@ -36,8 +37,8 @@ With 30 or 60 warm-up steps PreNorm stalls on a plateau near 3.0-3.1 nats/byte f
 0.49 above its best; from 100 steps on it ends within the seed spread (0.048, pooled over 100-200) of its best.
 100 is the shortest such warm-up, and Block is within one seed spread of its own best there too. The old
 default, 30 steps (a tenth of the run), made most of the gap it printed (about -0.3) the baseline's stall.
-The closing line judges each gap against two standard errors of the seed spread; with two seeds that is a
-rough test, so read it as "is the gap clearly bigger than the noise", not as a significance level.
+The closing line judges each gap by its 95% t interval from the seed spread (attnres.analysis.stats): with two
+seeds a setting the spread itself is uncertain, and the t quantile widens the interval for it.
 """
 
 
@@ -48,8 +49,8 @@ def register(sub) -> None:
         description=textwrap.fill(
             "Trains each residual kind with the same size, data (the Python standard library's sources, no "
             "download), seeds and schedule, then prints validation loss (mean and per seed), parameters and "
-            "tokens/s, and a closing line computed from the seeds: a gap under two standard errors of the seed "
-            "spread reads 'within seed noise at this budget', a larger one 'X leads by ...'. Writes loss.png, "
+            "tokens/s, and a closing line computed from the seeds: a gap whose 95% t interval (from the seed "
+            "spread) spans 0 reads 'within seed noise at this budget', another one 'X leads by ...'. Writes loss.png, "
             "depth_weights_<kind>.png (mean depth weights, sources against aggregation points), layers.png "
             "(per-sublayer input/output magnitudes and gradient norms) and summary.json into --out. The defaults "
             "train six models (three kinds, two seeds each), about 7 minutes on an idle 2-core machine; "
@@ -108,6 +109,7 @@ def run(args) -> int:
         start = time.perf_counter()
         summary = compare(base, args.residuals, args.out, seeds=range(args.seed, args.seed + args.seeds),
                           noise_std=MEASURED_SEED_STD if args.seeds == 1 else None,
+                          noise_dof=MEASURED_SEED_DOF if args.seeds == 1 else None,
                           noise_source=MEASURED_SEED_STD_SOURCE if args.seeds == 1 else None)
     except TrainingDiverged as e:  # a bad setting (ValueError) is the command line's one-line error
         print(f"attnres compare: error: {e}", file=sys.stderr)

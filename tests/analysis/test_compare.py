@@ -23,8 +23,8 @@ def test_pooled_seed_std_pools_each_kind_around_its_own_mean():
     assert pooled_seed_std({"standard": [1.7], "block": [1.6]}) is None
 
 
-def test_a_gap_under_two_standard_errors_reads_within_seed_noise():
-    # std 0.02 (pooled), n = 2 each: standard error of a gap 0.02; gap -0.03 < 2 * 0.02
+def test_a_gap_whose_t_interval_spans_zero_reads_within_seed_noise():
+    # std 0.0283 (pooled, 2 dof), n = 2 each: standard error of a gap 0.0283; gap -0.03 +- 4.303 * 0.0283
     losses = {"standard": [1.70, 1.74], "block": [1.67, 1.71]}
     v = judge(losses, budget="300 steps")
     assert v["noise_std"] == pytest.approx(math.sqrt(0.02**2 * 2 * 2 / 2))
@@ -32,20 +32,30 @@ def test_a_gap_under_two_standard_errors_reads_within_seed_noise():
     assert gap["verdict"] == "noise"
     assert gap["gap"] == pytest.approx(-0.03)
     assert gap["se"] == pytest.approx(v["noise_std"])
-    assert "Block -0.0300: within seed noise at this budget" in v["line"]
+    half = 4.303 * v["noise_std"]
+    assert gap["ci95"] == pytest.approx([-0.03 - half, -0.03 + half])
+    assert "Block -0.0300: within seed noise at this budget (95% t interval -0.1517 to +0.0917)" in v["line"]
     assert v["line"].startswith("At 300 steps, 2 seeds per residual, seed spread (std) ")
     assert "leads" not in v["line"]
 
 
-def test_a_gap_over_two_standard_errors_reads_as_a_lead_in_seed_spreads():
+def test_a_gap_over_two_standard_errors_of_two_seeds_is_still_noise():
+    """Two standard errors treat the spread of two seeds as known; its t interval (2 dof: 4.3 standard errors)
+    does not: a gap of 2.8 standard errors is within the noise."""
+    gap = judge({"standard": [1.70, 1.74], "block": [1.62, 1.66]})["gaps"]["block"]
+    assert gap["gap"] == pytest.approx(-0.08) and 2 * gap["se"] < 0.08 < 4.303 * gap["se"]
+    assert gap["verdict"] == "noise"
+
+
+def test_a_gap_whose_t_interval_excludes_zero_reads_as_a_lead_in_seed_spreads():
     losses = {"standard": [1.72, 1.74], "block": [1.65, 1.67], "full": [1.73, 1.75]}
     v = judge(losses)
     std = v["noise_std"]
     assert std == pytest.approx(statistics.stdev([1.72, 1.74]))
     assert v["gaps"]["block"]["verdict"] == "lead"
     assert v["gaps"]["block"]["in_std"] == pytest.approx(0.07 / std)
-    assert f"Block leads standard by 0.0700 nats/byte ({0.07 / std:.1f} seed spreads)" in v["line"]
-    assert v["gaps"]["full"]["verdict"] == "noise"  # +0.01 against a standard error of 0.0141
+    assert f"Block leads standard by 0.0700 nats/byte ({0.07 / std:.1f} seed spreads; 95% t interval" in v["line"]
+    assert v["gaps"]["full"]["verdict"] == "noise"  # +0.01 +- 3.182 (3 dof) * 0.0141
     # the baseline ahead by more than the noise reads the other way round
     behind = judge({"standard": [1.60, 1.61], "full": [1.70, 1.71]})
     assert behind["gaps"]["full"]["verdict"] == "behind"
@@ -60,10 +70,12 @@ def test_a_gap_over_two_standard_errors_reads_as_a_lead_in_seed_spreads():
 
 def test_one_seed_is_judged_by_a_spread_measured_elsewhere_or_not_at_all():
     losses = {"standard": [1.70], "block": [1.60]}
-    noise = judge(losses, noise_std=0.06, noise_source="an experiment")  # SE 0.085: 0.1 < 0.17
+    noise = judge(losses, noise_std=0.06, noise_dof=6, noise_source="an experiment")  # 0.1 < 2.447 * 0.085
     assert noise["gaps"]["block"]["verdict"] == "noise" and "an experiment" in noise["line"]
-    lead = judge(losses, noise_std=0.02, noise_source="an experiment")
+    lead = judge(losses, noise_std=0.02, noise_dof=6, noise_source="an experiment")
     assert lead["gaps"]["block"]["verdict"] == "lead" and "1 seed per residual" in lead["line"]
+    with pytest.raises(ValueError, match="noise_dof"):
+        judge(losses, noise_std=0.02)
     unknown = judge(losses)
     assert unknown["gaps"]["block"]["verdict"] == "unknown" and "no seed spread" in unknown["line"]
     assert "No standard run" in judge({"block": [1.6, 1.61]})["line"]
@@ -118,6 +130,7 @@ def test_compare_command_prints_table_and_closing_line(tmp_path, capsys):
     summary = json.loads((out / SUMMARY).read_text())
     assert summary["config"]["warmup"] == 3  # the default warm-up, clamped to the steps
     assert summary["noise"]["std"] == compare_command.MEASURED_SEED_STD  # one seed: the measured spread
+    assert summary["noise"]["dof"] == compare_command.MEASURED_SEED_DOF
     assert summary["verdict"]["line"] in printed and "1 seed per residual" in printed
     assert main(args) == 0  # the default: two seeds, judged by their own spread
     summary = json.loads((out / SUMMARY).read_text())
@@ -136,8 +149,9 @@ def test_the_quoted_warmup_and_seed_spread_are_those_of_the_committed_experiment
         groups.setdefault((r["residual"], r["warmup"]), []).append(r["val_loss"])
     unstalled = {k: v for k, v in groups.items() if k[1] >= compare_command.WARMUP}
     assert {r for r, _ in unstalled} == {"standard", "block"} and all(len(v) >= 2 for v in unstalled.values())
-    std = pooled_seed_std(unstalled)[0]
+    std, dof = pooled_seed_std(unstalled)
     assert compare_command.MEASURED_SEED_STD == pytest.approx(std, abs=5e-5)
+    assert compare_command.MEASURED_SEED_DOF == dof
     standard = {w: statistics.mean(v) for (r, w), v in groups.items() if r == "standard"}
     best = min(standard.values())
     assert min(w for w, m in standard.items() if m - best < std) == compare_command.WARMUP

@@ -17,7 +17,9 @@ import query_lr  # noqa: E402
 import results  # noqa: E402
 import stability  # noqa: E402
 import warmup_stall  # noqa: E402
-from study import Ledger, gap_stats, study_command, verdict  # noqa: E402
+from study import Ledger, study_command, verdict  # noqa: E402
+
+from attnres.analysis.stats import paired_gaps  # noqa: E402
 
 
 def test_results_page_is_generated_from_the_committed_json():
@@ -26,13 +28,13 @@ def test_results_page_is_generated_from_the_committed_json():
 
 
 def test_gap_interval_is_the_t_interval():
-    stats = gap_stats([-0.035, -0.025, -0.03])
+    stats = paired_gaps([-0.035, -0.025, -0.03])
     half = 4.303 * 0.005 / math.sqrt(3)  # t_{0.975, 2} * std / sqrt(n)
     assert stats["mean"] == pytest.approx(-0.03) and stats["std"] == pytest.approx(0.005)
     assert stats["ci95"] == pytest.approx([-0.03 - half, -0.03 + half])
     assert verdict(stats) == "AttnRes lower (95% interval below 0)"
-    assert verdict(gap_stats([-0.03, 0.01, -0.02])) == "no measurable difference (95% interval spans 0)"
-    assert verdict(gap_stats([0.01])) == "one seed: no interval" and verdict(gap_stats([])) == "not measured"
+    assert verdict(paired_gaps([-0.03, 0.01, -0.02])) == "no measurable difference (95% interval spans 0)"
+    assert verdict(paired_gaps([0.01])) == "one seed: no interval" and verdict(paired_gaps([])) == "not measured"
 
 
 def study_parser() -> argparse.ArgumentParser:
