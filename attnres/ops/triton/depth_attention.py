@@ -20,6 +20,7 @@ Offsets that scale with tokens * d are 64-bit.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 
 import torch
 import triton
@@ -34,12 +35,18 @@ MAX_D = 65536
 TORCH_TO_TRITON = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+# Set to 1, the kernels skip autotuning and run the first candidate (a test run that compiles dozens of kernel
+# variants cannot afford to time every config of each); read when the kernels are defined.
+SINGLE_CONFIG_ENV = "ATTNRES_TRITON_SINGLE_CONFIG"
+
+
 def tile_configs(tiles: tuple[int, ...], warps: tuple[int, ...]) -> list[triton.Config]:
     """Autotuning candidates (TILE = tokens x padded channels per program); one small config under the interpreter,
-    which can neither autotune several configs nor afford large tiles."""
+    which can neither autotune several configs nor afford large tiles; only the first with SINGLE_CONFIG_ENV=1."""
     if INTERPRETING:
         return [triton.Config({"TILE": 256}, num_warps=4)]
-    return [triton.Config({"TILE": t}, num_warps=w) for t in tiles for w in warps]
+    configs = [triton.Config({"TILE": t}, num_warps=w) for t in tiles for w in warps]
+    return configs[:1] if os.environ.get(SINGLE_CONFIG_ENV) == "1" else configs
 
 
 def block_tokens(args: dict) -> int:
@@ -48,10 +55,13 @@ def block_tokens(args: dict) -> int:
 
 
 def distinct_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Drop configs that give the same BLOCK_T and warps for this d (large d makes every TILE one token)."""
+    """Drop configs that give the same BLOCK_T and warps for this d (large d makes every TILE one token).
+
+    Triton's autotuner passes the positional arguments as `named_args` and the keyword ones (D_PAD and the other
+    constexprs) as `kwargs`."""
     seen, kept = set(), []
     for cfg in configs:
-        key = (block_tokens({**named_args, **cfg.kwargs}), cfg.num_warps)
+        key = (block_tokens({**named_args, **kwargs, **cfg.kwargs}), cfg.num_warps)
         if key not in seen:
             seen.add(key)
             kept.append(cfg)
@@ -91,20 +101,51 @@ def contiguous_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
+class TableCache:
+    """Device pointer tables by content (device, pairs). A call whose tensors sit where an earlier call's did (each step
+    of a decode loop, the capture of a CUDA graph after its warm-up) gets that table back and copies nothing. An entry
+    used while a CUDA graph is captured is kept for good: the graph reads it (and the pinned buffer its copy came from)
+    at every replay. Others go least recently used first."""
+
+    def __init__(self, size: int):
+        self.size, self.recent, self.kept = size, OrderedDict(), {}
+
+    def get(self, key, make, capturing: bool):
+        if key in self.kept:
+            return self.kept[key]
+        entry = self.recent.pop(key, None)
+        if entry is None:
+            entry = make()
+        if capturing:
+            self.kept[key] = entry
+        else:
+            self.recent[key] = entry
+            if len(self.recent) > self.size:
+                self.recent.popitem(last=False)
+        return entry
+
+
+TABLES = TableCache(1024)
+
+
+def upload(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pinned host table, its device copy): a non-blocking copy from pinned memory (a pageable one would synchronise
+    the stream and stall the host on every call)."""
+    host = torch.tensor(pairs, dtype=torch.int64).reshape(-1).pin_memory()
+    return host, host.to(device, non_blocking=True)
+
+
 def pointer_table(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
     """(int64 tensor `[2 K]` of the K `[N, d]` tensors' (data pointer, row stride in elements) pairs on their device,
     whether every pointer is 16-byte aligned and every row stride a multiple of 8 elements: then each row starts on a
-    16-byte boundary and the kernels may issue 16-byte loads).
-
-    On a GPU the table goes through pinned memory with a non-blocking copy: a pageable copy would synchronise the
-    stream and stall the host on every call.
-    """
+    16-byte boundary and the kernels may issue 16-byte loads). On a GPU the table comes from TABLES."""
     pairs = [(t.data_ptr(), t.stride(0)) for t in tensors]
-    table = torch.tensor(pairs, dtype=torch.int64).reshape(-1)
+    aligned = all(ptr % 16 == 0 and stride % 8 == 0 for ptr, stride in pairs)
     device = tensors[0].device
-    if device.type != "cpu":
-        table = table.pin_memory().to(device, non_blocking=True)
-    return table, all(ptr % 16 == 0 and stride % 8 == 0 for ptr, stride in pairs)
+    if device.type == "cpu":
+        return torch.tensor(pairs, dtype=torch.int64).reshape(-1), aligned
+    capturing = torch.cuda.is_current_stream_capturing()
+    return TABLES.get((device, tuple(pairs)), lambda: upload(pairs, device), capturing)[1], aligned
 
 
 @triton.jit
@@ -171,7 +212,7 @@ def depth_attention_fwd_kernel(
     offsets = rows[:, None] * D + cols[None, :]
     cv = tl.load(c + cols, mask=col_ok, other=0.0).to(tl.float32)
 
-    n64 = N.to(tl.int64)
+    n64 = tl.cast(N, tl.int64)  # N == 1 arrives as a constant (no .to)
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
     z = tl.zeros([BLOCK_T], tl.float32)
     acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
@@ -206,7 +247,7 @@ def depth_attention_bwd_kernel(
 ):
     """Persistent: program p takes token blocks p, p + programs, ...; the table holds R sources, then R grads."""
     pid = tl.program_id(0)
-    n64 = N.to(tl.int64)
+    n64 = tl.cast(N, tl.int64)  # N == 1 arrives as a constant (no .to)
     cols = tl.arange(0, D_PAD)
     col_ok = cols < D
     dc = tl.zeros([D_PAD], tl.float32)
