@@ -126,33 +126,48 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None = None, per_layer: bool
     return fully_shard(model, mesh=mesh)
 
 
+def shard_chunk(chunk: nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP2 on a pipeline chunk, as `apply_fsdp` on a model: a group per decoder layer, then the chunk (its
+    embedding, final read, final norm and head, as the stage has them)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in chunk.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(chunk, mesh=mesh)
+
+
 def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> tuple[object, dict]:
     """(what `save_checkpoint` saves the weights of, the optimizer's state dict), both whole on rank 0.
 
-    With `sharded` parameters (DTensors: FSDP2, tensor parallel) this gathers the shards (a collective: every rank calls it) into full CPU tensors, and the optimizer
-    state is keyed by parameter name (`torch.distributed.checkpoint.state_dict`); otherwise both are the plain ones.
+    The optimizer state is keyed by parameter name (`torch.distributed.checkpoint.state_dict`), so that a run resumes
+    on another mesh (or one process) whatever held which parameter. With `sharded` parameters (DTensors: FSDP2,
+    tensor parallel) this gathers the shards (a collective: every rank calls it) into full CPU tensors.
     """
-    if not sharded:
-        return model, optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = collective(lambda: get_model_state_dict(model, options=options), "gathering the weights")
     optim = collective(lambda: get_optimizer_state_dict(model, optimizer, options=options), "gathering the optimizer")
-    # own storage per tensor (the gathered ones are views of one buffer); a tied parameter is saved once, by name
+    return (_Weights(_own_storage(model, weights)) if sharded else model), optim
+
+
+def _own_storage(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Own storage per tensor (gathered ones are views of one buffer); a tied parameter once, by name."""
     kept = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
     aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - kept
-    return _Weights({k: v.clone() for k, v in weights.items() if k not in aliases}), optim
+    return {k: v.clone() for k, v in weights.items() if k not in aliases}
 
 
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, sharded: bool) -> None:
-    """Load what `checkpoint_state` saved (every rank reads the same full state and keeps its shard)."""
-    if not sharded:
-        optimizer.load_state_dict(state)
-        return
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load what `checkpoint_state` saved (every rank reads the same full state and keeps the part of its own
+    parameters: its shards, or a pipeline stage's parameters)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    names = {name for name, _ in model.named_parameters()}
+    own = {"state": {k: v for k, v in state["state"].items() if k in names},
+           "param_groups": [{**group, "params": [k for k in group["params"] if k in names]}
+                            for group in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, own, options=StateDictOptions(full_state_dict=True))
 
 
 class _Weights:

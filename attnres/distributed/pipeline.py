@@ -146,6 +146,10 @@ class RowCache:
         self.leaves[key] = leaves
         return leaves
 
+    def clear(self) -> None:
+        self.kept.clear()
+        self.leaves.clear()
+
     def check_empty(self) -> None:
         if self.kept or self.leaves:
             left = sorted(self.kept) + sorted(self.leaves)
@@ -201,13 +205,13 @@ class PipelineChunk(nn.Module):
         model = self._model[0]
         layers = self.plan.layers(self.index)
         if self.is_first:
-            layer_inputs = model.layer_inputs(input_ids=inputs[0])
+            layer_inputs = _layer_inputs(model, input_ids=inputs[0])
             state = layer_inputs[0][0]  # the family's embedding
         else:
             rows, head = self._unpack(inputs, key)
             state = ResidualState(rows=tuple(rows), head=head)
             ref = head if head is not None else rows[0]  # stands in for the embedding the family computes first
-            layer_inputs = model.layer_inputs(inputs_embeds=ref)
+            layer_inputs = _layer_inputs(model, inputs_embeds=ref)
         for i in layers:
             state = model.model.layers[i](state, **layer_inputs[i][1])
         if self.is_last:
@@ -228,6 +232,52 @@ class PipelineChunk(nn.Module):
             outputs = _ReturnCachedGrads.apply(self.cache, key, len(outputs), *outputs, *rows)
         self.traffic.record(self.index, outputs, self.plan.head_rows)
         return outputs
+
+
+class _Elsewhere(nn.Module):
+    """Stands in for a decoder layer while the family's base model hands out the layers' keyword arguments
+    (`layer_inputs`): it records them and runs nothing. It also takes the place of the layers another pipeline rank
+    runs, so a rank holds only its own."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.layer_idx = index
+
+    def forward(self, hidden_states, attn_res_records=None, **kwargs):
+        if attn_res_records is None or attn_res_records.layer_inputs is None:
+            raise RuntimeError(f"decoder layer {self.layer_idx} runs on another pipeline rank")
+        attn_res_records.layer_inputs.append((hidden_states, kwargs))
+        return hidden_states
+
+
+def _layer_inputs(model: nn.Module, **inputs) -> list[tuple[torch.Tensor, dict]]:
+    """`model.layer_inputs(**inputs)` with stand-ins for every decoder layer: the real ones (FSDP2 groups among them)
+    are not called, so nothing is gathered for a forward that runs none of them."""
+    base = model.model
+    layers = base.layers
+    base.layers = nn.ModuleList(_Elsewhere(i) for i in range(len(layers)))
+    try:
+        return model.layer_inputs(**inputs)
+    finally:
+        base.layers = layers
+
+
+def keep_stages(model: nn.Module, plan: PipelinePlan, rank: int) -> None:
+    """Delete from `model` (in place) what the chunks of `rank` do not run: other ranks' decoder layers (stand-ins
+    take their places, so layer names keep their indices), the embedding unless the rank runs the first chunk, the
+    final read, the final norm and the head unless it runs the last."""
+    base = model.model
+    mine = {i for stage in range(rank, plan.num_stages, plan.ranks) for i in plan.layers(stage)}
+    for i in range(len(base.layers)):
+        if i not in mine:
+            base.layers[i] = _Elsewhere(i)
+    if plan.rank_of(0) != rank:
+        base.embed_tokens = None
+    if plan.rank_of(plan.num_stages - 1) != rank:
+        base.norm, model.lm_head = nn.Identity(), None
+        for name in ("output_attn_res_proj", "output_attn_res_norm"):
+            if hasattr(base, name):
+                delattr(base, name)
 
 
 def _check_model(model: nn.Module) -> None:
@@ -259,10 +309,6 @@ def check_pipeline(schedule: str, microbatches: int, virtual_stages: int, num_la
         raise ValueError(f"microbatches: the 1f1b schedule needs at least one per rank ({ranks}), got {microbatches}")
 
 
-def _to_cpu(state: dict) -> dict:
-    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in state.items()}
-
-
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -272,17 +318,16 @@ def _positive_int(name: str, value) -> int:
 class PipelineTrainer:
     """Pipeline-parallel forward and backward of an `AttnResForCausalLM` over the ranks of `group` (default: all).
 
-    Every rank builds the same model (same weights) and calls `step` with the same batch; each rank computes only its
-    chunks and holds the gradients of their parameters (the others stay None). `schedule`: "gpipe", "1f1b" (one
-    chunk a rank) or "interleaved" (`ScheduleInterleaved1F1B`, `virtual_stages` >= 2 chunks a rank). `cache_rows`:
-    cross-stage caching (only changes anything with virtual stages). `traffic` counts what this rank's chunks sent in
-    the last step. For a training loop (`attnres train --parallel pipeline`): `parameters` (what this rank's optimizer
-    updates), `clip_grad_norm_` (over all ranks), `sync_weights` (the whole model on every rank, to evaluate or save)
-    and `optimizer_state` / `load_optimizer_state` (a whole optimizer state dict, for checkpoints).
+    Every rank passes the same model (same weights); the trainer deletes from it what this rank's chunks do not run
+    (`keep_stages`), so a rank holds its stages only. Each rank calls `step` with the same batch and computes only its
+    chunks. `schedule`: "gpipe", "1f1b" (one chunk a rank) or "interleaved" (`ScheduleInterleaved1F1B`,
+    `virtual_stages` >= 2 chunks a rank). `cache_rows`: cross-stage caching (only changes anything with virtual
+    stages). `dp_mesh`: the data-parallel ranks of this stage, over which FSDP2 shards each chunk (per decoder layer,
+    then the chunk). `traffic` counts what this rank's chunks sent in the last step.
     """
 
     def __init__(self, model: nn.Module, *, schedule: str = "1f1b", microbatches: int, virtual_stages: int = 1,
-                 cache_rows: bool = True, group: dist.ProcessGroup | None = None):
+                 cache_rows: bool = True, group: dist.ProcessGroup | None = None, dp_mesh=None):
         _check_model(model)
         if not dist.is_initialized():
             raise ValueError("PipelineTrainer: expected an initialized process group (torchrun or init_process_group)")
@@ -293,53 +338,35 @@ class PipelineTrainer:
                                  config.attn_res_block_size, cache_rows)
         self.group, self.rank = group, dist.get_rank(group)
         self.cache, self.traffic = RowCache(), HopTraffic()
-        every = [PipelineChunk(model, self.plan, c, self.cache, self.traffic) for c in range(self.plan.num_stages)]
-        self.chunks = every[self.rank :: ranks]
-        # the rank that trains each parameter (the one whose chunk runs it): it alone has its gradient
-        self.owner = {p: self.plan.rank_of(chunk.index) for chunk in every for p in chunk.parameters()}
+        keep_stages(model, self.plan, self.rank)
+        self.chunks = [PipelineChunk(model, self.plan, c, self.cache, self.traffic)
+                       for c in range(self.rank, self.plan.num_stages, ranks)]
+        if dp_mesh is not None:
+            from attnres.distributed.data_parallel import shard_chunk
+
+            for chunk in self.chunks:
+                shard_chunk(chunk, dp_mesh)
         self._schedule, self._shape = None, None
 
     def parameters(self) -> list[nn.Parameter]:
-        """The parameters this rank trains: those of its chunks."""
-        return [p for p, rank in self.owner.items() if rank == self.rank]
+        """The parameters this rank trains: those of its chunks (all the model holds)."""
+        return [p for chunk in self.chunks for p in chunk.parameters()]
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Scale the gradients, spread over the ranks, to a global 2-norm of at most `max_norm`, as
-        `torch.nn.utils.clip_grad_norm_` does in one process; returns the norm before clipping, on every rank."""
+        """Scale the gradients, spread over the stages (and sharded within them), to a global 2-norm of at most
+        `max_norm`, as `torch.nn.utils.clip_grad_norm_` does in one process; returns the norm before clipping, on every
+        rank. torch's own norm is DTensor-aware (a shard's norm is reduced over its mesh); the stages' squared norms
+        are added over the pipeline group."""
+        from torch.distributed.tensor import DTensor
+
         params = self.parameters()
         local = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        local = local.full_tensor() if isinstance(local, DTensor) else local
         squared = local.float().square().to(collective_device(self.group))
         collective(lambda: dist.all_reduce(squared, group=self.group), "adding up the gradient norm")
         total = squared.sqrt()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(local.device))
         return total.item()
-
-    def sync_weights(self) -> None:
-        """Every parameter from the rank that trains it to all ranks (each optimizer updates only its own), so that
-        every rank holds the whole trained model, to evaluate or save it."""
-        device = collective_device(self.group)
-        with torch.no_grad():
-            for p, rank in self.owner.items():
-                buffer = p.detach().to(device)
-                collective(lambda: dist.broadcast(buffer, group=self.group, group_src=rank), "sharing the weights")
-                if buffer.device != p.device:
-                    p.copy_(buffer)
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """`optimizer.state_dict()` with the state of every parameter, each from the rank that trains it (on the
-        CPU, on every rank). Every rank's optimizer must hold all the model's parameters, in the same order."""
-        state = optimizer.state_dict()
-        mine = {i: _to_cpu(s) for i, s in state["state"].items()}  # only its own parameters' (load_optimizer_state)
-        parts: list[dict | None] = [None] * self.plan.ranks
-        collective(lambda: dist.all_gather_object(parts, mine, group=self.group), "gathering the optimizer")
-        return {**state, "state": {i: s for part in parts for i, s in part.items()}}
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """Load what `optimizer_state` returned, keeping only the state of this rank's parameters."""
-        optimizer.load_state_dict(state)
-        mine = set(self.parameters())
-        for p in [p for p in optimizer.state if p not in mine]:
-            del optimizer.state[p]
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         """Forward and backward of the batch input_ids `[B, T]` with labels `[B, T]` (-100: ignored; shifted inside,
@@ -369,6 +396,31 @@ class PipelineTrainer:
                 raise RankFailed(lost_rank_message("running the pipeline schedule", e)) from e
             raise
         self.cache.check_empty()
+        return self._loss_from_last_stage(losses)
+
+    def evaluate(self, input_ids: torch.Tensor) -> float:
+        """The mean loss of the batch `input_ids` (labels: itself) through the pipeline, forward only, on every rank.
+
+        It records no backward, but runs with gradients enabled: without them the first layer starts the fused
+        inference bank, whose state has another layout than the one the stages exchange."""
+        if self._shape != tuple(input_ids.shape):
+            self._schedule, self._shape = self._build(*input_ids.shape), tuple(input_ids.shape)
+        for chunk in self.chunks:
+            chunk.microbatch = 0
+        losses: list[torch.Tensor] = []
+        last = self.chunks[-1].is_last
+        inputs = (input_ids,) if self.chunks[0].is_first else ()
+        try:
+            self._schedule.eval(*inputs, target=input_ids if last else None, losses=losses)
+        except RuntimeError as e:
+            if is_collective_error(e):
+                raise RankFailed(lost_rank_message("evaluating through the pipeline", e)) from e
+            raise
+        self.cache.clear()  # no backward takes the leaves
+        return self._loss_from_last_stage(losses)
+
+    def _loss_from_last_stage(self, losses: list[torch.Tensor]) -> float:
+        last = self.chunks[-1].is_last
         device = collective_device(self.group)
         loss = torch.stack(losses).mean().detach().float().to(device) if last else torch.zeros((), device=device)
         last_rank = self.plan.rank_of(self.plan.num_stages - 1)
@@ -380,8 +432,8 @@ class PipelineTrainer:
 
         plan, config = self.plan, self.model.config
         b = batch // self.microbatches
-        dtype = self.model.lm_head.weight.dtype
-        device = self.model.lm_head.weight.device
+        weight = next(self.chunks[0].parameters())
+        dtype, device = weight.dtype, weight.device
 
         def state(hop: int) -> tuple[torch.Tensor, ...]:
             """Meta tensors of what hop `hop` carries (static shapes: no shape inference run through the chunks)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,7 +141,7 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
     splits = tokenize_and_split(corpus, tokenizer, config.val_fraction)
     check_fits(splits, config.seq_len, config.val_fraction)
     dims = config.parallel_dims(ranks.world_size)
-    check_settings(config, ranks, dims)
+    check_settings(config, dims)
     data = {"corpus": corpus.description, "tokenizer": config.tokenizer, "vocab_size": tokenizer.vocab_size,
             "train_tokens": len(splits.train), "val_tokens": len(splits.val), "fingerprint": splits.fingerprint}
     run_info = describe_run(config, model, data, device, autocast_dtype)
@@ -173,8 +173,7 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
         log.truncate_after(step if last is not None else -1)  # the steps past the checkpoint are done again
 
     def evaluate() -> tuple[int, float]:
-        steps.sync_weights()
-        val_loss = _evaluate(model, val_batches, autocast)
+        val_loss = steps.evaluate(val_batches, autocast)
         log.write("eval", step=step, val_loss=val_loss)
         return step, val_loss
 
@@ -217,7 +216,6 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
                 val_history.append(evaluate())
                 postfix["val"] = f"{val_history[-1][1]:.3f}"
             if step % config.checkpoint_interval == 0 or step == end:
-                steps.sync_weights()
                 _check_finite_weights(model, step, latest_checkpoint(checkpoints))  # only good weights are saved
                 weights, optimizer_state = steps.checkpoint_state(optimizer)  # fsdp, pipeline: gathered
                 state = {"optimizer": optimizer_state, "sampler": sampler.state_dict(), "rng": _rng_state()}
@@ -284,18 +282,6 @@ class _Window:
         result = sum(self.losses) / n, sum(self.norms) / n, n * tokens_per_step / self.seconds
         self.reset()
         return result
-
-
-@torch.no_grad()
-def _evaluate(model: nn.Module, batches: list[torch.Tensor], autocast: AbstractContextManager) -> float:
-    """Mean loss over the fixed validation batches (equal sizes, so the mean of the batch means)."""
-    model.eval()
-    # a transformers model in eval mode builds a KV cache by default; validation never reuses it
-    no_cache = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
-    with autocast:
-        losses = [model(input_ids=b, labels=b, **no_cache).loss.float().item() for b in batches]
-    model.train()
-    return sum(losses) / len(losses)
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from attnres.distributed.data_parallel import (
-    RankFailed, Ranks, apply_ddp, apply_fsdp, checkpoint_state, is_collective_error, load_optimizer_state, local_rows,
-    lost_rank_message, mean_over_ranks,
+    RankFailed, Ranks, _Weights, apply_ddp, apply_fsdp, checkpoint_state, collective, gather_on_main,
+    is_collective_error, load_optimizer_state, local_rows, lost_rank_message, mean_over_ranks,
 )
 from attnres.distributed.mesh import ParallelDims, dp_mesh, dp_rank
 from attnres.distributed.pipeline import PipelineTrainer, check_pipeline
@@ -59,64 +59,108 @@ class MeshSteps:
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         return mean_over_ranks(loss, self.ranks), norm.item()
 
-    def sync_weights(self) -> None:
-        """Every rank already holds the weights it evaluates with (FSDP and TP gather them in their forward)."""
-
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> tuple[object, dict]:
         return checkpoint_state(self.model, optimizer, self.sharded)
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        load_optimizer_state(self.model, optimizer, state, self.sharded)
+        load_optimizer_state(self.model, optimizer, state)
+
+    def evaluate(self, batches: list[torch.Tensor], autocast: AbstractContextManager) -> float:
+        """Mean loss over the fixed validation batches (equal sizes, so the mean of the batch means), every rank
+        running each whole batch."""
+        return evaluate(self.model, batches, autocast)
 
 
 class PipelineSteps:
-    """"pipeline": a `PipelineTrainer` over all ranks, with `microbatches(config, ranks)` microbatches a step."""
+    """A mesh with pipeline stages: a `PipelineTrainer` over "pp" that keeps only this rank's stages of the model,
+    FSDP2 over the data-parallel dimensions within each stage, `microbatches(config, dims)` microbatches a step of
+    each data-parallel rank's rows."""
 
-    def __init__(self, model: nn.Module, config: TrainConfig, ranks: Ranks):
-        self.model = model
-        self.trainer = PipelineTrainer(model, schedule=config.pp_schedule, microbatches=microbatches(config, ranks),
-                                       virtual_stages=config.virtual_stages)
-        self._synced = True  # every rank starts from the same weights
+    def __init__(self, model: nn.Module, config: TrainConfig, ranks: Ranks, dims: ParallelDims, mesh):
+        self.model, self.ranks = model, ranks
+        self.trainer = PipelineTrainer(
+            model, schedule=config.pp_schedule, microbatches=microbatches(config, dims),
+            virtual_stages=config.virtual_stages, group=mesh["pp"].get_group(),
+            dp_mesh=dp_mesh(mesh) if dims.dp > 1 else None,
+        )
+        self.rows = (dp_rank(mesh), dims.dp)
+        self.sharded = dims.dp > 1
 
     def run(self, batch: torch.Tensor, autocast: AbstractContextManager, max_norm: float) -> tuple[float, float]:
+        rows = local_rows(batch, *self.rows)
         with autocast:
-            loss = self.trainer.step(batch, batch)
-        self._synced = False
-        return loss, self.trainer.clip_grad_norm_(max_norm)
+            loss = self.trainer.step(rows, rows)
+        return mean_over_ranks(torch.tensor(loss), self.ranks), self.trainer.clip_grad_norm_(max_norm)
 
-    def sync_weights(self) -> None:
-        if not self._synced:
-            self.trainer.sync_weights()
-            self._synced = True
+    def evaluate(self, batches: list[torch.Tensor], autocast: AbstractContextManager) -> float:
+        self.model.eval()
+        with autocast:
+            losses = [self.trainer.evaluate(local_rows(b, *self.rows)) for b in batches]
+        self.model.train()
+        return mean_over_ranks(torch.tensor(sum(losses) / len(losses)), self.ranks)
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> tuple[object, dict]:
-        self.sync_weights()
-        return self.model, self.trainer.optimizer_state(optimizer)
+        """The whole weights and optimizer state on rank 0: each stage's, gathered over its data-parallel ranks,
+        then from every stage."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)  # whole on every rank of the stage, not only global rank 0
+        weights = collective(lambda: get_model_state_dict(self.model, options=options), "gathering the weights")
+        optim = collective(lambda: get_optimizer_state_dict(self.model, optimizer, options=options),
+                           "gathering the optimizer")
+        mine = (_to_cpu(weights), {"state": {k: _to_cpu(v) for k, v in optim["state"].items()},
+                                   "param_groups": optim["param_groups"]})
+        stages = gather_on_main(mine, self.ranks)
+        if not self.ranks.is_main:
+            return _Weights({}), {}
+        merged_groups = [{**group, "params": sorted({k for _, o in stages for k in o["param_groups"][g]["params"]})}
+                         for g, group in enumerate(optim["param_groups"])]
+        return (_Weights({k: v for w, _ in stages for k, v in w.items()}),
+                {"state": {k: v for _, o in stages for k, v in o["state"].items()}, "param_groups": merged_groups})
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        self.trainer.load_optimizer_state(optimizer, state)
+        load_optimizer_state(self.model, optimizer, state)
 
 
-def microbatches(config: TrainConfig, ranks: Ranks) -> int:
-    """`config.microbatches`, by default one per pipeline stage (ranks x virtual stages)."""
-    return config.microbatches or ranks.world_size * config.virtual_stages
+def _to_cpu(tensors: dict) -> dict:
+    return {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in tensors.items()}
 
 
-def check_settings(config: TrainConfig, ranks: Ranks, dims: ParallelDims) -> None:
+def evaluate(model: nn.Module, batches: list[torch.Tensor], autocast: AbstractContextManager) -> float:
+    """Mean loss of `model` over the validation batches, in eval mode, without a KV cache."""
+    model.eval()
+    # a transformers model in eval mode builds a KV cache by default; validation never reuses it
+    no_cache = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
+    with torch.no_grad(), autocast:
+        losses = [model(input_ids=b, labels=b, **no_cache).loss.float().item() for b in batches]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def microbatches(config: TrainConfig, dims: ParallelDims) -> int:
+    """`config.microbatches`, by default one per pipeline stage (pp x virtual stages)."""
+    return config.microbatches or dims.pp * config.virtual_stages
+
+
+def check_settings(config: TrainConfig, dims: ParallelDims) -> None:
     """A ValueError for pipeline settings that cannot run on these ranks, before anything is written."""
     if dims.pp == 1:
         return
-    if dims.pp != dims.world_size:
-        raise ValueError(f"pp: a pipeline over {dims.pp} of {dims.world_size} ranks composed with other dimensions "
-                         f"({dims.describe()}) is not supported yet; use --pp {dims.world_size} alone")
-    count = microbatches(config, ranks)
-    check_pipeline(config.pp_schedule, count, config.virtual_stages, config.layers, ranks.world_size)
-    if config.batch_size % count:
-        raise ValueError(f"batch_size: expected a multiple of the {count} microbatches, got {config.batch_size}")
+    if dims.tp > 1:
+        raise ValueError(f"tp: a pipeline composed with tensor parallel ({dims.describe()}) is not supported yet: tensor "
+                         f"parallel hands the family's modules local views of their parameters for each forward of "
+                         f"the whole model, which a pipeline stage does not run")
+    count = microbatches(config, dims)
+    check_pipeline(config.pp_schedule, count, config.virtual_stages, config.layers, dims.pp)
+    if config.batch_size % (count * dims.dp):
+        raise ValueError(f"batch_size: expected a multiple of the {count} microbatches x {dims.dp} data-parallel ranks, "
+                         f"got {config.batch_size}")
 
 
 def training_steps(model: nn.Module, config: TrainConfig, ranks: Ranks, dims: ParallelDims, mesh
                    ) -> MeshSteps | PipelineSteps:
     if dims.pp > 1:
-        return PipelineSteps(model, config, ranks)
+        return PipelineSteps(model, config, ranks, dims, mesh)
     return MeshSteps(model, config, ranks, dims, mesh)

@@ -79,7 +79,6 @@ def every_collective(rank: int, names: tuple[str, ...]) -> dict[str, str]:
             "on_main": _outcome(lambda: on_main(lambda: None, ranks)),
             "PipelineTrainer.step": _outcome(lambda: trainer.step(*make_batch())),
             "PipelineTrainer.clip_grad_norm_": _outcome(lambda: trainer.clip_grad_norm_(1.0)),
-            "PipelineTrainer.sync_weights": _outcome(trainer.sync_weights),
             # the check itself: a broadcast of a CPU tensor, whatever the backend
             "a hard-coded CPU tensor": _outcome(lambda: dist.broadcast(torch.zeros(()), src=0)),
         }

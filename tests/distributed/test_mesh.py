@@ -14,12 +14,19 @@ SIZES = dict(layers=4, dim=32, heads=4, ffn=64, batch_size=8, residual="block", 
 MESHES = {
     "dp_shard 2 x tp 2": dict(dp_shard=2, tp=2),
     "dp_replicate 2 x dp_shard 2": dict(dp_replicate=2, dp_shard=2),  # HSDP: sharded over 2, replicated over 2
+    "pp 2 x dp_shard 2": dict(pp=2, dp_shard=2),
+    "pp 4": dict(pp=4),
 }
+STEPS, STOP = 8, 6  # the resharded run: stopped at step 6 on one mesh, resumed on another
+RESHARDED = "dp_shard 2 x tp 2, resumed as pp 2 x dp_shard 2"
 
 
 def _mesh_runs(rank: int, tmp: str) -> None:
     for name, dims in MESHES.items():
         train(tiny(f"{tmp}/{name}", **SIZES, **dims))
+    out = f"{tmp}/{RESHARDED}"
+    train(tiny(out, **SIZES, steps=STEPS, stop_after=STOP, **MESHES["dp_shard 2 x tp 2"]))
+    train(tiny(out, **SIZES, steps=STEPS, resume=True, **MESHES["pp 2 x dp_shard 2"]))
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +54,28 @@ def test_each_composition_follows_one_process(four_ranks, tmp_path, mesh):
     memory = {r["rank"]: r for r in read_log(four_ranks / mesh, "memory")}
     whole = read_log(reference.run_dir, "memory")[0]
     assert sorted(memory) == [0, 1, 2, 3]
-    dims = MESHES[mesh]
-    share = 1 / (dims.get("dp_shard", 1) * dims.get("tp", 1))  # replicas hold a whole shard each
-    for line in memory.values():  # the share, and a little more: a few small tensors stay replicated under TP
-        for field in ("param_bytes", "grad_bytes", "optim_bytes"):
-            assert share * whole[field] * 0.99 <= line[field] <= 1.2 * share * whole[field], (mesh, line)
+    dims = {"pp": 1, "dp_shard": 1, "tp": 1, **MESHES[mesh]}
+    if dims["pp"] == 1:
+        share = 1 / (dims["dp_shard"] * dims["tp"])  # replicas hold a whole shard each
+        for line in memory.values():  # the share, and a little more: a few small tensors stay replicated under TP
+            for field in ("param_bytes", "grad_bytes", "optim_bytes"):
+                assert share * whole[field] * 0.99 <= line[field] <= 1.2 * share * whole[field], (mesh, line)
+        return
+    # a stage: its layers' share of the decoder layers, and the embedding (first) or the head and final read (last)
+    model = reference.model
+    layers = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    ends = max(model.model.embed_tokens.weight.nbytes, whole["param_bytes"] - layers - model.model.embed_tokens.weight.nbytes)
+    for line in memory.values():
+        bound = (layers / dims["pp"] + ends) / dims["dp_shard"]
+        assert line["param_bytes"] <= 1.01 * bound, (mesh, line, bound)
+
+
+def test_a_run_resumes_on_another_mesh(four_ranks, tmp_path):
+    reference = train(tiny(tmp_path / "one", **SIZES, steps=STEPS))
+    one, resharded = _curve(reference.run_dir), _curve(four_ranks / RESHARDED)
+    assert [c[:2] for c in resharded] == [c[:2] for c in one]
+    torch.testing.assert_close([c[2] for c in resharded], [c[2] for c in one], rtol=0, atol=1e-4)
+    assert sorted({r["rank"] for r in read_log(four_ranks / RESHARDED, "memory")}) == [0, 1, 2, 3]
 
 
 def test_dims_fill_and_name_what_does_not_fit():

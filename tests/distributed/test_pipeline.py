@@ -297,16 +297,16 @@ def test_a_stream_exports_its_state_only_between_layers_and_resumes_only_fresh()
 @pytest.mark.parametrize("settings, message", [
     (dict(pp_schedule="interleaved"), "virtual_stages: the 'interleaved' schedule needs >= 2, got 1"),
     (dict(layers=3), "virtual_stages: 2 ranks x 1 virtual stages must divide num_hidden_layers=3 into equal chunks"),
-    (dict(batch_size=6, microbatches=4), "batch_size: expected a multiple of the 4 microbatches, got 6"),
+    (dict(batch_size=6, microbatches=4), "batch_size: expected a multiple of the 4 microbatches x 1 data-parallel ranks, got 6"),
     (dict(microbatches=1), "microbatches: the 1f1b schedule needs at least one per rank (2), got 1"),
 ])
 def test_train_checks_pipeline_settings_before_it_writes_anything(settings, message):
-    from attnres.distributed import Ranks
+    from attnres.distributed import ParallelDims
     from attnres.training import TrainConfig
     from attnres.training.steps import check_settings
 
     config = TrainConfig(**{"parallel": "pipeline", "layers": 4, "batch_size": 8, **settings})
     with pytest.raises(ValueError, match=re.escape(message)):
-        check_settings(config, Ranks(0, 2))
+        check_settings(config, ParallelDims(pp=2))
     with pytest.raises(ValueError, match="pp_schedule: expected one of gpipe, 1f1b, interleaved, got 'zigzag'"):
         TrainConfig(parallel="pipeline", pp_schedule="zigzag")
