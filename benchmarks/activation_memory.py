@@ -19,8 +19,8 @@ backward from the residual state they took; transformers' default non-reentrant 
 Then, per residual, what the checkpointed step still saves, grouped by the op that created each tensor (its
 `grad_fn`) and its shape, largest first. The optimiser step is left out: checkpointing does not change it.
 
-    python benchmarks/activation_memory.py                       # writes docs/activation_memory.json
-    OMP_NUM_THREADS=2 python benchmarks/activation_memory.py --repeats 5 --out /tmp/am.json
+    python -m benchmarks.activation_memory                       # writes docs/activation_memory.json
+    OMP_NUM_THREADS=2 python -m benchmarks.activation_memory --repeats 5 --out /tmp/am.json
 """
 
 from __future__ import annotations
@@ -31,17 +31,14 @@ import copy
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 
 import torch
 from transformers import LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-
-from attnres.atomic import atomic_write_text  # noqa: E402
-from attnres.bench.models import KINDS, add_model_args, build_models  # noqa: E402
-from attnres.bench.timing import median_times  # noqa: E402
+from attnres.atomic import atomic_write_text
+from attnres.bench.models import KINDS, add_model_args, build_models
+from attnres.bench.timing import median_times
 
 MIB = 2**20
 BASELINE = "transformers"  # transformers' own LlamaForCausalLM, the same weights

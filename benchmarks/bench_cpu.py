@@ -24,9 +24,9 @@ A process's timings can differ from the next one's for its whole life (the fp32 
 after another, and reports each case's spread over them (the median, least and most of the per-process medians, and of
 its ratio to `torch.sum`) beside every process's own figures.
 
-    python benchmarks/bench_cpu.py                        # R=9, T=4096, d=2048, S=8 queries, fp32 and bf16
-    THP_MEM_ALLOC_ENABLE=1 python benchmarks/bench_cpu.py --repeats 15 --json cpu.json
-    python benchmarks/bench_cpu.py --processes 6 --dtypes fp32 --queries 0 --json docs/bench_cpu_processes.json
+    python -m benchmarks.bench_cpu                        # R=9, T=4096, d=2048, S=8 queries, fp32 and bf16
+    THP_MEM_ALLOC_ENABLE=1 python -m benchmarks.bench_cpu --repeats 15 --json cpu.json
+    python -m benchmarks.bench_cpu --processes 6 --dtypes fp32 --queries 0 --json docs/bench_cpu_processes.json
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def over_processes(args: argparse.Namespace, names: list[str]) -> dict:
         for i in range(args.processes):
             out = Path(tmp) / f"{i}.json"
             argv = strip_option(strip_option(sys.argv[1:], "--json"), "--processes")
-            cmd = [sys.executable, __file__, *argv, "--processes", "1", "--json", str(out)]
+            cmd = [sys.executable, "-m", __spec__.name, *argv, "--processes", "1", "--json", str(out)]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             runs.append(json.loads(out.read_text()))
             fwd = runs[-1][names[0]]["cases"]["fast fwd"]

@@ -8,8 +8,8 @@ the fused bank path (docs/design.md section 5). Measured, alternating the two mo
   cache trimmed back after each step so every step sees the same context.
 The ratio block / standard is the inference overhead; the paper reports under 2% (Kimi K3 scale, on GPUs).
 
-    python benchmarks/bench_inference.py                      # d=512, 8 layers, T=2048, decode batch 1 and 8
-    python benchmarks/bench_inference.py --block-size 4 --dtype bf16 --device cuda
+    python -m benchmarks.bench_inference                      # d=512, 8 layers, T=2048, decode batch 1 and 8
+    python -m benchmarks.bench_inference --block-size 4 --dtype bf16 --device cuda
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ sum, the cost AttnRes replaces). Times are medians over repeats, after warm-up. 
 for every row (docs/design.md section 9: the aggregation is memory-bound): the forward reads R*T*d*e bytes and writes
 T*d*e; the backward reads the sources and the output gradient and writes one gradient per source, (2R+1)*T*d*e.
 
-    python benchmarks/bench_op.py                           # R=9, T=1024, d=2048, fp32 and bf16 (~1 min on 2 cores)
-    python benchmarks/bench_op.py --tokens 4096 --dtypes bf16 fp16 --repeats 9
+    python -m benchmarks.bench_op                           # R=9, T=1024, d=2048, fp32 and bf16 (~1 min on 2 cores)
+    python -m benchmarks.bench_op --tokens 4096 --dtypes bf16 fp16 --repeats 9
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ In one process, timed round-robin (`attnres.bench.timing.median_times`): a train
 AdamW) and a decode step after a KV cache of `--context` tokens. Prints a table of ratios to the family's own model and
 writes the raw figures as JSON (atomically) to `--out`.
 
-    python benchmarks/family_overhead.py                       # llama, d=512, 8 layers
-    python benchmarks/family_overhead.py --family qwen3 --threads 2
+    python -m benchmarks.family_overhead                       # llama, d=512, 8 layers
+    python -m benchmarks.family_overhead --family qwen3 --threads 2
 """
 
 from __future__ import annotations

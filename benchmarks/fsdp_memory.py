@@ -13,8 +13,8 @@ sum of the unique storages of
 The peak is the largest sum over the samples; its parts at that sample are printed beside it. Communication buffers
 (DDP's buckets, FSDP's all-gather and reduce-scatter buffers) and activations are not counted.
 
-    python benchmarks/fsdp_memory.py              # writes docs/fsdp_memory.json
-    python benchmarks/fsdp_memory.py --dim 128 --vocab 256 --out /tmp/fsdp.json
+    python -m benchmarks.fsdp_memory              # writes docs/fsdp_memory.json
+    python -m benchmarks.fsdp_memory --dim 128 --vocab 256 --out /tmp/fsdp.json
 """
 
 from __future__ import annotations
@@ -33,10 +33,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-
-from attnres.atomic import atomic_write_text  # noqa: E402
-from attnres.bench.models import add_model_args  # noqa: E402
+from attnres.atomic import atomic_write_text
+from attnres.bench.models import add_model_args
 
 MIB = 2**20
 MODES = ("ddp", "fsdp_root", "fsdp_per_layer", "pipeline")
@@ -175,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{mode:<16} {rank:>4} {m['total'] / MIB:>9.1f} {m['params'] / MIB:>9.1f} {m['grads'] / MIB:>9.1f} "
                   f"{m['optimizer'] / MIB:>9.1f} {m['total'] / ddp[rank]:>7.2f}")
     payload = {
-        "command": " ".join(["python benchmarks/fsdp_memory.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python -m benchmarks.fsdp_memory", *(argv if argv is not None else sys.argv[1:])]),
         "settings": vars(args) | {"out": str(args.out), "ranks": RANKS, "residual": "block", "block_size": 2},
         "environment": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},
         "bytes_per_rank": per_rank,

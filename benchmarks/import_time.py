@@ -3,8 +3,8 @@
 Each repeat times one fresh interpreter per statement, back to back, so both see the same load on the machine; the
 ratio is the median of the per-repeat ratios.
 
-    python benchmarks/import_time.py               # 7 repeats
-    python benchmarks/import_time.py --repeats 15
+    python -m benchmarks.import_time               # 7 repeats
+    python -m benchmarks.import_time --repeats 15
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Bytes each pipeline hop sends per microbatch: the formulas of `attnres.distributed.pipeline` against a real step.
 
-    python benchmarks/pipeline_bytes.py            # from the repository root; prints a markdown table
+    python -m benchmarks.pipeline_bytes            # from the repository root; prints a markdown table
 
 Every configuration runs one `PipelineTrainer.step` on gloo ranks of this machine (P ranks, V virtual stages:
 1F1B for V = 1, interleaved 1F1B for V = 2) and counts the tensors each chunk hands its PipelineStage to send.
@@ -12,15 +12,10 @@ the rows over all hops against the paper's eq. 7 (no caching) or eq. 8 (caching)
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: attnres and tests' launcher
-
-from attnres.distributed.pipeline import PipelinePlan, PipelineTrainer, hop_bytes, paper_rows  # noqa: E402
-from tests.distributed.workers import run_ranks  # noqa: E402
+from attnres.distributed.pipeline import PipelinePlan, PipelineTrainer, hop_bytes, paper_rows
+from tests.distributed.workers import run_ranks
 
 LAYERS, DIM, SEQ, BATCH, MICROBATCHES, VOCAB = 16, 64, 32, 4, 4, 64
 RESIDUALS = [("block", 8), ("block", 4), ("block", 2), ("full", None), ("standard", None)]  # (residual, N blocks)

@@ -15,7 +15,7 @@ tokens), keeps an unparallelised copy as the one-process baseline, and measures 
   dispatch mode on the collectives and attributed to a layer with `ModTracker`; against the expected all-gather and
   reduce-scatter of `[B, T, d]` per sublayer (one each way in forward, and the same again in backward).
 
-    torchrun --nproc-per-node 2 benchmarks/tp_costs.py            # writes docs/tp_costs.json (rank 0)
+    torchrun --nproc-per-node 2 -m benchmarks.tp_costs            # writes docs/tp_costs.json (rank 0)
 """
 
 from __future__ import annotations
@@ -36,12 +36,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-
-from attnres.analysis.cost import DTYPE_BYTES, residual_cost  # noqa: E402
-from attnres.atomic import atomic_write_text  # noqa: E402
-from attnres.distributed import parallelize_tensor  # noqa: E402
-from attnres.models import AttnResConfig, AttnResForCausalLM  # noqa: E402
+from attnres.analysis.cost import DTYPE_BYTES, residual_cost
+from attnres.atomic import atomic_write_text
+from attnres.distributed import parallelize_tensor
+from attnres.models import AttnResConfig, AttnResForCausalLM
 
 _GATHERS = {"all_gather_into_tensor", "allgather_", "_allgather_base_"}
 _REDUCES = {"reduce_scatter_tensor", "reduce_scatter_", "_reduce_scatter_base_", "all_reduce", "allreduce_"}
@@ -192,7 +190,7 @@ def main() -> None:
     layer = one.model.layers[0]
     replicated_grad_bytes = sum(p.nbytes for p in layer.parameters() if p.dim() == 1 or p.shape[0] == 1)
     result = {
-        "command": f"torchrun --nproc-per-node {world} benchmarks/tp_costs.py " + " ".join(sys.argv[1:]),
+        "command": f"torchrun --nproc-per-node {world} -m benchmarks.tp_costs " + " ".join(sys.argv[1:]),
         "config": {k: v for k, v in vars(args).items() if k != "out"}
         | {"ranks": world, "residual": "block", "dtype": "fp32", "family": "llama"},
         "versions": {"torch": torch.__version__, "python": platform.python_version()},

@@ -6,9 +6,9 @@ per (size, residual, seed) goes to the largest budget; each smaller budget branc
 checkpoint at its own decay start (`attnres train --branch-from`), which ends exactly as a run of that budget from
 scratch would (tests/training/test_branch.py), at the cost of the decay steps only.
 
-    python experiments/budget.py                      # 150/300/600/1200 steps (8x), seeds 0 1 2, both sizes
-    python experiments/budget.py --seeds 0 --sizes L6-d64 --budgets 150 300     # a smaller grid
-    python experiments/budget.py --measure-step-time     # Block's step-time ratio per size, for compute-matched gaps
+    python -m experiments.budget                      # 150/300/600/1200 steps (8x), seeds 0 1 2, both sizes
+    python -m experiments.budget --seeds 0 --sizes L6-d64 --budgets 150 300     # a smaller grid
+    python -m experiments.budget --measure-step-time     # Block's step-time ratio per size, for compute-matched gaps
 
 Per budget: the validation loss of every run, the gap (Block minus standard, paired by seed) with its mean, standard
 deviation and 95% t interval, and the compute-matched gap: Block at budget B against standard at the tokens it trains
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from study import COMMON, Ledger, progress, timed_run, verdict
+from experiments.study import COMMON, Ledger, progress, timed_run, verdict
 
 from attnres.analysis.stats import paired_gaps
 from attnres.atomic import atomic_write_text
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = step_time_ratios()
     ledger = Ledger(args.json, "validation loss (nats/byte) of standard and Block AttnRes by budget, size and seed; "
                     "WSD decays branched from one run per (size, residual, seed)",
-                    {**setup, "sizes": SIZES, "budgets": args.budgets}, "experiments/budget.py", p, argv,
+                    {**setup, "sizes": SIZES, "budgets": args.budgets}, "experiments.budget", p, argv,
                     lambda runs: summarise(runs, ratios))
     for seed in args.seeds:  # seed by seed: every size and budget gets its first seeds first
         for size in args.sizes:

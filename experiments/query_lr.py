@@ -6,8 +6,8 @@ The budget study's setting (experiments/budget.py: WSD, 100 warm-up steps, peak 
 same settings and seeds); this study trains the other multipliers. `attnres train --attn-res-lr-mult` defaults to
 0.1 (a 600-step measurement, docs/design.md section 10); this checks it at twice that budget.
 
-    python experiments/query_lr.py                 # 0.3x and 1x, seeds 0 1 2, about 30 minutes
-    python experiments/query_lr.py --mults 1 --seeds 0
+    python -m experiments.query_lr                 # 0.3x and 1x, seeds 0 1 2, about 30 minutes
+    python -m experiments.query_lr --mults 1 --seeds 0
 
 Writes docs/query_lr.json (after every run) and docs/figures/query_lr.png.
 """
@@ -21,8 +21,8 @@ import statistics
 import sys
 from pathlib import Path
 
-import budget
-from study import Ledger, progress, timed_run, verdict
+from experiments import budget
+from experiments.study import Ledger, progress, timed_run, verdict
 
 from attnres.analysis.stats import paired_gaps
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args.budgets = [BUDGET]
     ledger = Ledger(args.json, "final validation loss (nats/byte) of Block AttnRes by the learning-rate multiplier of "
                     "its pseudo-queries and key gains, and of standard (the budget study's runs)",
-                    {"size": SIZE, "budget": BUDGET, **budget.SIZES[SIZE]}, "experiments/query_lr.py", p, argv, summarise)
+                    {"size": SIZE, "budget": BUDGET, **budget.SIZES[SIZE]}, "experiments.query_lr", p, argv, summarise)
     def refresh() -> None:  # the budget study may be running beside this one
         ledger.runs.update(baseline_runs(Path(args.budget_json)))
 

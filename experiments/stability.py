@@ -7,8 +7,8 @@ loss or gradient norm becomes NaN or inf is recorded as diverged at that step; o
 nats/byte as stuck. The steps a run spends on the plateau between 3.2 and 2.9 nats/byte (where short warm-ups stall
 PreNorm: docs/warmup_stall.md) measure a stall.
 
-    python experiments/stability.py                       # 4 lrs x 2 warm-ups x 3 residuals, about 40 minutes
-    python experiments/stability.py --lrs 3e-3 --warmups 20   # a smaller grid
+    python -m experiments.stability                       # 4 lrs x 2 warm-ups x 3 residuals, about 40 minutes
+    python -m experiments.stability --lrs 3e-3 --warmups 20   # a smaller grid
 
 Writes docs/stability.json (after every run) and docs/figures/stability.png.
 """
@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from study import COMMON, PLATEAU, Ledger, plateau_steps, progress, steps_to, timed_run
+from experiments.study import COMMON, PLATEAU, Ledger, plateau_steps, progress, steps_to, timed_run
 
 from attnres.layers.kinds import BLOCK, FULL, STANDARD
 from attnres.training import TrainConfig, TrainingDiverged
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                       "attn_res_lr_mult", "seq_len", "batch_size", "max_bytes", "eval_batches", "threads")}
     ledger = Ledger(args.json, "final validation loss (nats/byte) and curve by peak lr, warm-up and residual",
                     {**setup, "plateau_band": PLATEAU},
-                    "experiments/stability.py", p, argv, summarise)
+                    "experiments.stability", p, argv, summarise)
     for seed in args.seeds:
         for warmup in args.warmups:
             for lr in args.lrs:

@@ -36,14 +36,14 @@ class Ledger:
     """The runs of one study, kept in a JSON file beside what describes them (`what`, `setup`, `command`: the one
     command that reproduces them all) and the commands that ran parts of it (`invocations`)."""
 
-    def __init__(self, path: str | Path, what: str, setup: dict, script: str, parser: argparse.ArgumentParser,
+    def __init__(self, path: str | Path, what: str, setup: dict, module: str, parser: argparse.ArgumentParser,
                  argv: list[str] | None, summarise: Callable[[dict], object]):
         self.path = Path(path)
         saved = json.loads(self.path.read_text(encoding="utf-8")) if self.path.is_file() else {}
         self.runs: dict[str, dict] = saved.get("runs", {})
         argv = sys.argv[1:] if argv is None else argv
-        self.head = {"what": what, "setup": setup, "command": study_command(script, parser, argv)}
-        self.invocation = shlex.join(["python", script, *argv])
+        self.head = {"what": what, "setup": setup, "command": study_command(module, parser, argv)}
+        self.invocation = shlex.join(["python", "-m", module, *argv])
         self.summarise = summarise
 
     def __contains__(self, name: str) -> bool:
@@ -66,12 +66,13 @@ class Ledger:
             atomic_write_text(self.path, json.dumps(data, indent=1) + "\n")
 
 
-def study_command(script: str, parser: argparse.ArgumentParser, argv: list[str]) -> str:
-    """The command that reproduces a whole ledger: `script` with the options of `argv` that change what is measured.
+def study_command(module: str, parser: argparse.ArgumentParser, argv: list[str]) -> str:
+    """The command that reproduces a whole ledger: `python -m module` with the options of `argv` that change what is
+    measured.
     An option whose list is part of its default (`--seeds 1`, `--sizes L12-d64`) only picked part of the grid, and
     the script without it completes the grid, skipping the runs already there: it is left out."""
     given, defaults = vars(parser.parse_args(argv)), vars(parser.parse_args([]))
-    words = ["python", script]
+    words = ["python", "-m", module]
     for dest, value in given.items():
         default = defaults[dest]
         if value == default or (isinstance(value, list) and isinstance(default, list) and set(value) <= set(default)):

@@ -5,8 +5,8 @@ AttnRes parameters at the full learning rate) trained with several linear warm-u
 loss every 20 steps. Every finished run is added to the JSON (written atomically) and the figure is redrawn, so an
 interrupted experiment keeps what it measured and a rerun skips the runs already in the JSON.
 
-    python experiments/warmup_stall.py                    # standard and Block, warm-up 30/60/100/150/200, seeds 0, 1
-    python experiments/warmup_stall.py --seeds 0 --warmups 30 100   # a smaller grid
+    python -m experiments.warmup_stall                    # standard and Block, warm-up 30/60/100/150/200, seeds 0, 1
+    python -m experiments.warmup_stall --seeds 0 --warmups 30 100   # a smaller grid
 
 One thread per run by default (`--threads`), one run at a time. Writes docs/warmup_stall.json and
 docs/figures/warmup_stall.png; docs/warmup_stall.md states what the data shows.
@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from study import LEARNED, PLATEAU, Ledger, plateau_steps, steps_to, timed_run
+from experiments.study import LEARNED, PLATEAU, Ledger, plateau_steps, steps_to, timed_run
 
 from attnres.training import TrainConfig
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                       "weight_decay", "attn_res_lr_mult", "max_bytes", "eval_batches", "threads")}
     ledger = Ledger(args.json, "attnres compare's model and data; final validation loss (nats/byte) and its curve by "
                     "warm-up, residual and seed", {**setup, "learned_threshold": LEARNED, "plateau_band": PLATEAU},
-                    "experiments/warmup_stall.py", p, argv, summarise)
+                    "experiments.warmup_stall", p, argv, summarise)
     # seed by seed, so the first seed of every setting lands first; the baseline first within a seed
     for seed in args.seeds:
         for lr in args.lrs:

@@ -1,30 +1,23 @@
-"""The results page is what experiments/results.py makes of the committed JSON, and the studies' statistics are right
-on data whose answer is known."""
+"""The results page is what `python -m experiments.results` makes of the committed JSON, and the studies' statistics
+are right on data whose answer is known."""
 
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
+from attnres.analysis.stats import paired_gaps
+from experiments import budget, query_lr, results, stability, warmup_stall
+from experiments.study import Ledger, study_command, verdict
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import budget  # noqa: E402
-import query_lr  # noqa: E402
-import results  # noqa: E402
-import stability  # noqa: E402
-import warmup_stall  # noqa: E402
-from study import Ledger, study_command, verdict  # noqa: E402
-
-from attnres.analysis.stats import paired_gaps  # noqa: E402
 
 
 def test_results_page_is_generated_from_the_committed_json():
     assert (ROOT / "docs" / "results.md").read_text(encoding="utf-8") == results.page(), \
-        "docs/results.md is stale: run python experiments/results.py"
+        "docs/results.md is stale: run python -m experiments.results"
 
 
 def test_gap_interval_is_the_t_interval():
@@ -47,25 +40,25 @@ def study_parser() -> argparse.ArgumentParser:
 
 def test_study_command_drops_only_options_that_pick_part_of_the_grid():
     p = study_parser()
-    assert study_command("s.py", p, []) == "python s.py"
-    assert study_command("s.py", p, ["--seeds", "2", "0"]) == "python s.py"  # a part: the bare command completes it
-    assert study_command("s.py", p, ["--seeds", "0", "5"]) == "python s.py --seeds 0 5"  # seed 5 is not in it
-    assert study_command("s.py", p, ["--mult", "0.3", "--flag"]) == "python s.py --mult 0.3 --flag"
+    assert study_command("s", p, []) == "python -m s"
+    assert study_command("s", p, ["--seeds", "2", "0"]) == "python -m s"  # a part: the bare command completes it
+    assert study_command("s", p, ["--seeds", "0", "5"]) == "python -m s --seeds 0 5"  # seed 5 is not in it
+    assert study_command("s", p, ["--mult", "0.3", "--flag"]) == "python -m s --mult 0.3 --flag"
 
 
 def test_ledgers_of_parts_run_side_by_side_merge(tmp_path):
     """Two processes of one study (e.g. one seed each) each add their runs; the file keeps both, the command that
     reproduces the whole, and both invocations."""
     path, p = tmp_path / "study.json", study_parser()
-    first = Ledger(path, "w", {}, "s.py", p, ["--seeds", "0"], summarise=lambda runs: sorted(runs))
-    second = Ledger(path, "w", {}, "s.py", p, ["--seeds", "1"], summarise=lambda runs: sorted(runs))
+    first = Ledger(path, "w", {}, "s", p, ["--seeds", "0"], summarise=lambda runs: sorted(runs))
+    second = Ledger(path, "w", {}, "s", p, ["--seeds", "1"], summarise=lambda runs: sorted(runs))
     first.add("a", {"val_loss": 1.0})
     second.add("b", {"val_loss": 2.0})
     data = json.loads(path.read_text())
     assert data["runs"] == {"a": {"val_loss": 1.0}, "b": {"val_loss": 2.0}} and data["summary"] == ["a", "b"]
-    assert data["command"] == "python s.py"
-    assert data["invocations"] == ["python s.py --seeds 0", "python s.py --seeds 1"]
-    assert "a" in Ledger(path, "w", {}, "s.py", p, [], summarise=sorted)  # a rerun skips what is there
+    assert data["command"] == "python -m s"
+    assert data["invocations"] == ["python -m s --seeds 0", "python -m s --seeds 1"]
+    assert "a" in Ledger(path, "w", {}, "s", p, [], summarise=sorted)  # a rerun skips what is there
 
 
 def fake_budget_runs() -> dict:
