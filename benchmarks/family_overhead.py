@@ -22,7 +22,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import attnres
 from attnres.atomic import atomic_write_text
-from attnres.bench.models import decode_step, training_step
+from attnres.bench.models import KINDS, decode_step, training_step
 from attnres.bench.timing import median_times
 
 
@@ -51,7 +51,7 @@ def build(args) -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
     family = AutoModelForCausalLM.from_config(CONFIG_MAPPING[args.family](**fields))
     models = {args.family: family}
-    for residual in ("standard", "block", "full"):
+    for residual in KINDS:
         model = attnres.convert_from_hf(family, residual=residual, attn_res_block_size=args.block_size)
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -15,16 +15,17 @@ from __future__ import annotations
 import torch
 
 from attnres.distributed.pipeline import PipelinePlan, PipelineTrainer, hop_bytes, paper_rows
+from attnres.layers.kinds import BLOCK, FULL, STANDARD
 from tests.distributed.workers import run_ranks
 
 LAYERS, DIM, SEQ, BATCH, MICROBATCHES, VOCAB = 16, 64, 32, 4, 4, 64
-RESIDUALS = [("block", 8), ("block", 4), ("block", 2), ("full", None), ("standard", None)]  # (residual, N blocks)
+RESIDUALS = [(BLOCK, 8), (BLOCK, 4), (BLOCK, 2), (FULL, None), (STANDARD, None)]  # (residual, N blocks)
 
 
 def configs(ranks: int) -> list[tuple[str, int | None, int, bool]]:
     """(residual, N, virtual stages, cache_rows) for one world size; caching only matters with virtual stages."""
     return [(residual, blocks, v, cache) for residual, blocks in RESIDUALS for v in (1, 2)
-            for cache in ((True,) if v == 1 or residual == "standard" else (False, True))]
+            for cache in ((True,) if v == 1 or residual == STANDARD else (False, True))]
 
 
 def measure(rank: int, ranks: int) -> dict:
@@ -66,7 +67,7 @@ def table() -> str:
             want = hop_bytes(plan, BATCH // MICROBATCHES, SEQ, DIM, 4)
             formula_rows = [plan.sent_rows(c) for c in range(plan.num_stages - 1)]
             name = f"block N={blocks}" if blocks else residual
-            cached = cache and v > 1 and residual != "standard"
+            cached = cache and v > 1 and residual != STANDARD
             paper = "-"
             if blocks and blocks % (ranks * v) == 0:  # the paper's equations count whole blocks a chunk
                 paper = paper_rows(ranks, v, blocks // (ranks * v))[cached]

@@ -30,12 +30,11 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.study import COMMON, Ledger, progress, timed_run, verdict
-
 from attnres.analysis.stats import paired_gaps
 from attnres.atomic import atomic_write_text
 from attnres.training import TrainConfig
 from attnres.training.optim import wsd_decay_start
+from experiments.study import COMMON, Ledger, progress, timed_run, verdict
 
 SIZES = {"L6-d64": dict(layers=6, dim=64, heads=4, block_size=2), "L12-d64": dict(layers=12, dim=64, heads=4, block_size=2)}
 WARMUP, DECAY = 100, 0.2

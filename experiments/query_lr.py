@@ -21,10 +21,10 @@ import statistics
 import sys
 from pathlib import Path
 
+from attnres.analysis.stats import paired_gaps
+from attnres.layers.kinds import BLOCK, STANDARD
 from experiments import budget
 from experiments.study import Ledger, progress, timed_run, verdict
-
-from attnres.analysis.stats import paired_gaps
 
 SIZE, BUDGET = "L6-d64", 1200
 
@@ -42,17 +42,17 @@ def baseline_runs(path: Path) -> dict:
     out = {}
     for r in saved["runs"].values():
         if r["size"] == SIZE and r["budget"] == BUDGET:
-            out[f"{SIZE}-{r['residual']}" + (f"-x{mult:g}" if r["residual"] == "block" else "") + f"-s{r['seed']}"] = {
-                **r, "attn_res_lr_mult": mult if r["residual"] == "block" else None, "source": str(path)}
+            out[f"{SIZE}-{r['residual']}" + (f"-x{mult:g}" if r["residual"] == BLOCK else "") + f"-s{r['seed']}"] = {
+                **r, "attn_res_lr_mult": mult if r["residual"] == BLOCK else None, "source": str(path)}
     return out
 
 
 def summarise(runs: dict) -> list[dict]:
     """Per multiplier: Block's losses by seed and its gap to standard, paired by seed."""
-    standard = {r["seed"]: r["val_loss"] for r in runs.values() if r["residual"] == "standard"}
+    standard = {r["seed"]: r["val_loss"] for r in runs.values() if r["residual"] == STANDARD}
     rows = []
-    for mult in sorted({r["attn_res_lr_mult"] for r in runs.values() if r["residual"] == "block"}):
-        block = {r["seed"]: r["val_loss"] for r in runs.values() if r["residual"] == "block" and r["attn_res_lr_mult"] == mult}
+    for mult in sorted({r["attn_res_lr_mult"] for r in runs.values() if r["residual"] == BLOCK}):
+        block = {r["seed"]: r["val_loss"] for r in runs.values() if r["residual"] == BLOCK and r["attn_res_lr_mult"] == mult}
         stats = paired_gaps([block[s] - standard[s] for s in sorted(block) if s in standard])
         rows.append({"attn_res_lr_mult": mult, "val_loss": {str(s): v for s, v in sorted(block.items())},
                      "mean": statistics.mean(block.values()), "gap": stats, "verdict": verdict(stats)})

@@ -16,15 +16,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from experiments import budget
-from experiments import query_lr
-from experiments import stability
-from experiments.study import verdict
-
 from attnres.analysis.report import seed_losses
 from attnres.analysis.stats import paired_gaps
 from attnres.atomic import atomic_write_text
 from attnres.commands import compare as compare_command
+from experiments import budget, query_lr, stability
+from experiments.study import verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ("The paper (Kimi Team 2026) reports Block AttnRes (8 blocks) about 0.02 nats lower validation loss than PreNorm "

@@ -19,10 +19,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from experiments.study import COMMON, PLATEAU, Ledger, plateau_steps, progress, steps_to, timed_run
-
 from attnres.layers.kinds import BLOCK, FULL, STANDARD
 from attnres.training import TrainConfig, TrainingDiverged
+from experiments.study import COMMON, PLATEAU, Ledger, plateau_steps, progress, steps_to, timed_run
 
 RESIDUALS = (STANDARD, BLOCK, FULL)  # the order its tables report them in
 

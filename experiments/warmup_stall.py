@@ -19,9 +19,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from experiments.study import LEARNED, PLATEAU, Ledger, plateau_steps, steps_to, timed_run
-
+from attnres.layers.kinds import STANDARD
 from attnres.training import TrainConfig
+from experiments.study import LEARNED, PLATEAU, Ledger, plateau_steps, steps_to, timed_run
 
 
 def run_name(residual: str, warmup: int, lr: float, seed: int) -> str:
@@ -60,7 +60,7 @@ def markdown(runs: dict) -> str:
     """One row per (lr, warm-up): each residual's final validation loss (mean, per seed), Block minus standard,
     and the steps each seed spent in the `PLATEAU` band."""
     rows = {(r["lr"], r["warmup"], r["residual"]): r for r in summarise(runs)}
-    residuals = sorted({k[2] for k in rows}, key=lambda x: (x != "standard", x))
+    residuals = sorted({k[2] for k in rows}, key=lambda x: (x != STANDARD, x))
     head = ["lr", "warm-up"] + [f"{x} (per seed)" for x in residuals] + [f"{x} - standard" for x in residuals[1:]]
     head += [f"{x}: steps from {PLATEAU[0]} to {PLATEAU[1]}" for x in residuals]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
