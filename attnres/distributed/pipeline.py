@@ -214,8 +214,8 @@ class PipelineChunk(nn.Module):
             layer_inputs = _layer_inputs(model, inputs_embeds=ref)
         for i in layers:
             state = model.model.layers[i](state, **layer_inputs[i][1])
-        if self.is_last:
-            return self.lm_head(self.norm(model.final_read(state)))
+        if self.is_last:  # the family's own head: logit scaling or soft-capping included
+            return model.head_logits(self.norm(model.final_read(state)))
         return self._pack(list(state.rows), state.head, key)
 
     def _unpack(self, inputs: tuple[torch.Tensor, ...], key: tuple[int, int]):

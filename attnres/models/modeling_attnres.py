@@ -416,6 +416,12 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self.model, self.lm_head = lm.base_model, lm.lm_head
         self.post_init()
 
+    def head_logits(self, hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """The family causal LM's head on the final norm's output `[batch, seq, d]`: its logits, with whatever its
+        forward does to them (Granite's logit scaling, Gemma 2's soft-capping). What a caller that runs the decoder
+        layers itself (the last pipeline stage) ends with."""
+        return self._family_lm_forward(_HeadOnly(self, hidden_states), logits_to_keep=logits_to_keep).logits
+
     def get_input_embeddings(self) -> nn.Module:
         return self.model.get_input_embeddings()
 
@@ -462,3 +468,17 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             logits_to_keep=logits_to_keep,
             **kwargs,
         )
+
+
+class _HeadOnly:
+    """The causal LM as its family's forward sees it, except that its base model returns `hidden_states` at once:
+    the family's forward then runs only its head."""
+
+    def __init__(self, lm: nn.Module, hidden_states: torch.Tensor):
+        self._lm, self._hidden = lm, hidden_states
+
+    def __getattr__(self, name: str):
+        return getattr(self._lm, name)
+
+    def model(self, **kwargs) -> BaseModelOutputWithPast:
+        return BaseModelOutputWithPast(last_hidden_state=self._hidden)

@@ -28,12 +28,14 @@ class Case:
     cache_rows: bool = True
     block_size: int = 2
     two_phase: bool | None = None
+    family: str = "llama"
 
     @property
     def id(self) -> str:
         cache = "cache" if self.cache_rows else "nocache"
-        return (f"P{self.ranks}-{self.residual}-L{self.layers}-S{self.block_size}-{self.schedule}-M{self.microbatches}"
-                f"-V{self.virtual_stages}-{cache}" + ("-two_phase" if self.two_phase else ""))
+        family = "" if self.family == "llama" else f"{self.family}-"
+        return (f"P{self.ranks}-{family}{self.residual}-L{self.layers}-S{self.block_size}-{self.schedule}"
+                f"-M{self.microbatches}-V{self.virtual_stages}-{cache}" + ("-two_phase" if self.two_phase else ""))
 
     def plan(self) -> PipelinePlan:
         return PipelinePlan(self.residual, self.layers, self.ranks, self.virtual_stages, self.block_size,
@@ -50,6 +52,9 @@ CASES = [
     Case(2, "full", 4, "interleaved", 2, 2),
     Case(2, "full", 4, "interleaved", 2, 2, cache_rows=False),
     Case(2, "standard", 4, "1f1b", 2),
+    # the last stage runs the family's own head: soft-capped (Gemma 2, with its sliding window) or scaled logits
+    Case(2, "block", 4, "1f1b", 2, family="gemma2"),
+    Case(2, "full", 4, "1f1b", 2, family="granite"),
     # 4 ranks: one layer a chunk, so with block size 2 every other hop cuts a block
     Case(4, "block", 4, "1f1b", 4, block_size=1),
     Case(4, "block", 8, "interleaved", 4, 2),
@@ -60,6 +65,12 @@ CASES = [
 ]
 
 
+FAMILY_FIELDS = {
+    "gemma2": dict(head_dim=8, final_logit_softcapping=2.0, sliding_window=4, tie_word_embeddings=False),
+    "granite": dict(logits_scaling=4.0),
+}
+
+
 def build_model(case: Case):
     """A tiny model with random pseudo-queries and key gains (zero queries cannot see a wrong schedule)."""
     from attnres.models import AttnResConfig, AttnResForCausalLM
@@ -68,7 +79,8 @@ def build_model(case: Case):
     config = AttnResConfig(
         vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=case.layers,
         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ, residual=case.residual,
-        attn_res_block_size=case.block_size, attn_res_two_phase=case.two_phase,
+        attn_res_block_size=case.block_size, attn_res_two_phase=case.two_phase, base_model_type=case.family,
+        **FAMILY_FIELDS.get(case.family, {}),
     )
     model = AttnResForCausalLM(config)
     with torch.no_grad():
