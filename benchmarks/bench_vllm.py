@@ -1,0 +1,191 @@
+"""Output tokens/s under vLLM of an original model and its Block and Full AttnRes conversions, side by side.
+
+Runs in vLLM's environment (`source .ci/vllm_env.sh`, then `$ATTNRES_VLLM_PYTHON benchmarks/bench_vllm.py`). It
+builds a random-init Llama of the given size, saves it, converts it to Block and Full (pseudo-queries and key gains
+moved off their init, so the depth softmax is not uniform) and serves the three folders with `vllm.LLM` through the
+attnres plugin, each in a fresh process with the engine in it, one at a time, in `--repeats` rounds of the three. Each
+serves the same greedy workload (`--requests` prompts of mixed lengths sent together, each generating `--max-tokens`
+tokens) once untimed and `--runs` times timed. Kept per run: output tokens per second of wall time, and per CPU second
+of the serving process (steadier on a shared machine); reported: medians, and the median of the run-by-run ratios
+AttnRes / original within rounds.
+
+    $ATTNRES_VLLM_PYTHON benchmarks/bench_vllm.py --out docs/bench_vllm.json           # CPU, fp32, eager
+    python benchmarks/bench_vllm.py --dtype bfloat16 --compiled --out vllm_gpu.json      # GPU, the `vllm` package
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+KINDS = ("original", "block", "full")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dim", type=int, default=512, help="hidden size (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=8, help="attention heads, head_dim 64 (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=1,
+                   help="Block AttnRes block size in decoder layers (default: %(default)s: 8 blocks of 8 layers)")
+    p.add_argument("--requests", type=int, default=32, help="concurrent requests (default: %(default)s)")
+    p.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"),
+                   help="prompt lengths, spread over this range (default: 16 128)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per model (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", help="vLLM dtype (default: %(default)s)")
+    p.add_argument("--compiled", action="store_true", help="let vLLM compile and capture graphs (default: eager)")
+    p.add_argument("--kv-cache-mib", type=int, default=128, help="KV cache per engine (default: %(default)s)")
+    p.add_argument("--runs", type=int, default=2, help="timed runs per served model and round (default: %(default)s)")
+    p.add_argument("--serve", nargs=2, metavar=("FOLDER", "SPEC"), help=argparse.SUPPRESS)  # one model, internal
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here (atomically)")
+    args = p.parse_args(argv)
+    for name in ("dim", "layers", "heads", "vocab", "block_size", "requests", "max_tokens", "repeats", "runs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not 1 <= args.prompt_tokens[0] <= args.prompt_tokens[1]:
+        p.error(f"--prompt-tokens: expected 1 <= MIN <= MAX, got {args.prompt_tokens}")
+    return args
+
+
+def build_folders(args: argparse.Namespace, root: Path) -> dict[str, Path]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import attnres
+    from attnres.serving.checks import family_architecture  # noqa: F401  (the plugin's module imports)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=int(2.75 * args.dim) // 64 * 64,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+        head_dim=args.dim // args.heads, max_position_embeddings=args.prompt_tokens[1] + args.max_tokens + 8,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    original = LlamaForCausalLM(config).eval()
+    folders = {"original": root / "original"}
+    original.save_pretrained(folders["original"])
+    gen = torch.Generator().manual_seed(1)
+    for kind in ("block", "full"):
+        model = attnres.convert_from_hf(original, residual=kind, attn_res_block_size=args.block_size)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("_res_proj.weight"):
+                    p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+        folders[kind] = root / kind
+        model.save_pretrained(folders[kind])
+    return folders
+
+
+def workload(args: argparse.Namespace) -> list[list[int]]:
+    low, high = args.prompt_tokens
+    lengths = [low + (high - low) * i // max(args.requests - 1, 1) for i in range(args.requests)]
+    return [[(31 * r + 7 * j) % (args.vocab - 1) + 1 for j in range(n)] for r, n in enumerate(lengths)]
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    return dict(
+        skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=not args.compiled,
+        max_model_len=args.prompt_tokens[1] + args.max_tokens + 8, max_num_seqs=args.requests,
+        gpu_memory_utilization=0.1 if _on_cpu() else 0.25, kv_cache_memory_bytes=args.kv_cache_mib << 20,
+    )
+
+
+def serve(folder: str, spec_path: str) -> None:
+    """In a fresh process, the engine in it: serve `folder`, run the workload once untimed, then `runs` times; print
+    each run's output tokens per second of wall time and per CPU second of this process (all its threads)."""
+    from vllm import LLM, SamplingParams
+
+    spec = json.loads(Path(spec_path).read_text())
+    llm = LLM(model=folder, **spec["engine"])
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up: kernels built, caches allocated
+    runs = []
+    for _ in range(spec["runs"]):
+        wall, cpu = time.perf_counter(), time.process_time()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        runs.append(dict(wall=tokens / wall, cpu=tokens / cpu))
+    print("RESULT " + json.dumps(runs), flush=True)
+
+
+def measure(args: argparse.Namespace, folders: dict[str, Path], root: Path) -> dict[str, dict[str, list[float]]]:
+    """Rounds of the three models in turn, each served in a fresh process (one engine on the machine at a time), so
+    that the machine's load of the moment reaches the three alike within a round."""
+    spec = root / "spec.json"
+    spec.write_text(json.dumps(dict(engine=engine_args(args), prompts=workload(args), max_tokens=args.max_tokens,
+                                    runs=args.runs)))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine in the process whose CPU time is read
+    runs = {kind: {"wall": [], "cpu": []} for kind in KINDS}
+    for repeat in range(args.repeats):
+        for kind in KINDS:
+            proc = subprocess.run([sys.executable, __file__, "--serve", str(folders[kind]), str(spec)],
+                                  capture_output=True, text=True, env=env)
+            line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+            if proc.returncode or line is None:
+                sys.exit(f"bench_vllm: serving {kind} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+            for run in json.loads(line[len("RESULT "):]):
+                for key in ("wall", "cpu"):
+                    runs[kind][key].append(run[key])
+            print(f"round {repeat + 1}/{args.repeats} {kind}: {runs[kind]['wall'][-args.runs:]} tokens/s", flush=True)
+    return runs
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.serve:
+        serve(*args.serve)
+        return
+    with tempfile.TemporaryDirectory(prefix="bench_vllm_") as tmp:
+        root = Path(tmp)
+        folders = build_folders(args, root)
+        runs = measure(args, folders, root)
+    import torch
+    import vllm
+
+    median = {kind: {k: statistics.median(v) for k, v in r.items()} for kind, r in runs.items()}
+    # run by run within a round, then the median: a round's three processes share the machine's load of the moment
+    ratios = {
+        kind: {k: statistics.median(a / b for a, b in zip(runs[kind][k], runs["original"][k])) for k in ("wall", "cpu")}
+        for kind in ("block", "full")
+    }
+    result = dict(
+        what="vLLM output tokens/s, greedy, original Llama vs its Block and Full AttnRes conversions",
+        command=" ".join([Path(sys.executable).name, *sys.argv]),
+        settings={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
+                  if k not in ("out", "serve")},
+        environment=dict(vllm=vllm.__version__, torch=torch.__version__, python=platform.python_version(),
+                         machine=platform.machine(), cpus=os.cpu_count(),
+                         omp_num_threads=os.environ.get("OMP_NUM_THREADS")),
+        load_average_1min=os.getloadavg()[0],
+        output_tokens_per_s={kind: r["wall"] for kind, r in runs.items()},
+        output_tokens_per_cpu_s={kind: r["cpu"] for kind, r in runs.items()},
+        median=median,
+        ratio_to_original=ratios,
+    )
+    print(json.dumps(result, indent=2))
+    if args.out:
+        tmp_out = args.out.with_name(args.out.name + ".tmp")
+        tmp_out.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(tmp_out, args.out)
+
+
+if __name__ == "__main__":
+    main()
