@@ -126,12 +126,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None = None, per_layer: bool
     return fully_shard(model, mesh=mesh)
 
 
-def shard_chunk(chunk: nn.Module, mesh: DeviceMesh) -> None:
-    """FSDP2 on a pipeline chunk, as `apply_fsdp` on a model: a group per decoder layer, then the chunk (its
-    embedding, final read, final norm and head, as the stage has them)."""
+def shard_chunk(chunk: nn.Module, mesh: DeviceMesh, per_layer: bool = True) -> None:
+    """FSDP2 on a pipeline chunk, as `apply_fsdp` on a model: a group per decoder layer (`per_layer`), then the chunk
+    (its embedding, final read, final norm and head, as the stage has them)."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in chunk.layers:
+    for layer in chunk.layers if per_layer else ():
         fully_shard(layer, mesh=mesh)
     fully_shard(chunk, mesh=mesh)
 

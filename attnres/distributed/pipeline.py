@@ -179,10 +179,11 @@ class PipelineChunk(nn.Module):
     the last, the logits `[b, T, vocab]`. Parameters are the model's own (shared, not copied).
     """
 
-    def __init__(self, model: nn.Module, plan: PipelinePlan, index: int, cache: RowCache, traffic: HopTraffic):
+    def __init__(self, model: nn.Module, plan: PipelinePlan, index: int, cache: RowCache, traffic: HopTraffic,
+                 tp=None):
         super().__init__()
         inner = model.model
-        self.plan, self.index, self.cache, self.traffic = plan, index, cache, traffic
+        self.plan, self.index, self.cache, self.traffic, self.tp = plan, index, cache, traffic, tp
         self.is_first, self.is_last = index == 0, index == plan.num_stages - 1
         self.layers = nn.ModuleList(inner.layers[i] for i in plan.layers(index))
         if self.is_first:
@@ -203,20 +204,33 @@ class PipelineChunk(nn.Module):
         key = (self.index, self.microbatch)
         self.microbatch += 1
         model = self._model[0]
-        layers = self.plan.layers(self.index)
         if self.is_first:
+            self._begin_tensor_parallel(inputs[0].shape[1])
             layer_inputs = _layer_inputs(model, input_ids=inputs[0])
             state = layer_inputs[0][0]  # the family's embedding
         else:
             rows, head = self._unpack(inputs, key)
             state = ResidualState(rows=tuple(rows), head=head)
             ref = head if head is not None else rows[0]  # stands in for the embedding the family computes first
+            if self.tp is not None:  # the state is this rank's tokens; masks and rotary embeddings cover them all
+                ref = ref.new_empty(ref.shape[0], ref.shape[1] * self.tp.world_size, *ref.shape[2:])
+            self._begin_tensor_parallel(ref.shape[1])
             layer_inputs = _layer_inputs(model, inputs_embeds=ref)
-        for i in layers:
+        for i in self.plan.layers(self.index):
             state = model.model.layers[i](state, **layer_inputs[i][1])
         if self.is_last:  # the family's own head: logit scaling or soft-capping included
-            return model.head_logits(self.norm(model.final_read(state)))
-        return self._pack(list(state.rows), state.head, key)
+            outputs = model.head_logits(self.norm(model.final_read(state)))
+        else:
+            outputs = self._pack(list(state.rows), state.head, key)
+        if self.tp is not None:
+            self.tp.end(outputs if self.is_last else outputs[0])
+        return outputs
+
+    def _begin_tensor_parallel(self, seq_len: int) -> None:
+        """Tensor parallel within the stage: the layouts and local views for this chunk's forward, held until it
+        ends (the chunk runs its layers outside the base model's forward)."""
+        if self.tp is not None:
+            self.tp.begin(seq_len, held=True)
 
     def _unpack(self, inputs: tuple[torch.Tensor, ...], key: tuple[int, int]):
         head = inputs[-1] if self.plan.head_rows else None
@@ -238,6 +252,8 @@ class _Elsewhere(nn.Module):
     """Stands in for a decoder layer while the family's base model hands out the layers' keyword arguments
     (`layer_inputs`): it records them and runs nothing. It also takes the place of the layers another pipeline rank
     runs, so a rank holds only its own."""
+
+    sides = ()  # planned, with no sublayer here
 
     def __init__(self, index: int):
         super().__init__()
@@ -322,12 +338,13 @@ class PipelineTrainer:
     (`keep_stages`), so a rank holds its stages only. Each rank calls `step` with the same batch and computes only its
     chunks. `schedule`: "gpipe", "1f1b" (one chunk a rank) or "interleaved" (`ScheduleInterleaved1F1B`,
     `virtual_stages` >= 2 chunks a rank). `cache_rows`: cross-stage caching (only changes anything with virtual
-    stages). `dp_mesh`: the data-parallel ranks of this stage, over which FSDP2 shards each chunk (per decoder layer,
-    then the chunk). `traffic` counts what this rank's chunks sent in the last step.
+    stages). `tp_mesh`: the tensor-parallel ranks of this stage (`parallelize_tensor` on its layers; the stages then
+    exchange each rank's tokens of the state). `dp_mesh`: the data-parallel ranks of this stage, over which FSDP2
+    shards each chunk (per decoder layer, then the chunk; the chunk alone under tensor parallel). `traffic` counts what this rank's chunks sent in the last step.
     """
 
     def __init__(self, model: nn.Module, *, schedule: str = "1f1b", microbatches: int, virtual_stages: int = 1,
-                 cache_rows: bool = True, group: dist.ProcessGroup | None = None, dp_mesh=None):
+                 cache_rows: bool = True, group: dist.ProcessGroup | None = None, dp_mesh=None, tp_mesh=None):
         _check_model(model)
         if not dist.is_initialized():
             raise ValueError("PipelineTrainer: expected an initialized process group (torchrun or init_process_group)")
@@ -339,13 +356,18 @@ class PipelineTrainer:
         self.group, self.rank = group, dist.get_rank(group)
         self.cache, self.traffic = RowCache(), HopTraffic()
         keep_stages(model, self.plan, self.rank)
-        self.chunks = [PipelineChunk(model, self.plan, c, self.cache, self.traffic)
+        self.tp = None
+        if tp_mesh is not None:
+            from attnres.distributed.tensor_parallel import parallelize_tensor
+
+            self.tp = parallelize_tensor(model, tp_mesh)
+        self.chunks = [PipelineChunk(model, self.plan, c, self.cache, self.traffic, self.tp)
                        for c in range(self.rank, self.plan.num_stages, ranks)]
         if dp_mesh is not None:
             from attnres.distributed.data_parallel import shard_chunk
 
-            for chunk in self.chunks:
-                shard_chunk(chunk, dp_mesh)
+            for chunk in self.chunks:  # the chunk's group only under tensor parallel (its local views)
+                shard_chunk(chunk, dp_mesh, per_layer=self.tp is None)
         self._schedule, self._shape = None, None
 
     def parameters(self) -> list[nn.Parameter]:
@@ -435,9 +457,11 @@ class PipelineTrainer:
         weight = next(self.chunks[0].parameters())
         dtype, device = weight.dtype, weight.device
 
+        tokens = seq // self.tp.world_size if self.tp is not None else seq  # a tensor-parallel rank's share
+
         def state(hop: int) -> tuple[torch.Tensor, ...]:
             """Meta tensors of what hop `hop` carries (static shapes: no shape inference run through the chunks)."""
-            row, rows = (b, seq, config.hidden_size), plan.sent_rows(hop) - plan.head_rows
+            row, rows = (b, tokens, config.hidden_size), plan.sent_rows(hop) - plan.head_rows
             shapes = ([(rows, *row)] if rows else []) + ([row] if plan.head_rows else [])
             return tuple(torch.empty(s, device="meta", dtype=dtype, requires_grad=True) for s in shapes)
 

@@ -71,6 +71,8 @@ class TensorParallel:
         self._reduce_outputs: list[PrepareModuleOutput] = []  # partial sums -> (sequence layout): body outputs
         self._replicated: list[_Replicated] = []
         self._swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+        self.held = False  # a caller that runs the layers itself (a pipeline chunk) began the forward
+        self.checkpointing = lambda: False  # whether the layers recompute themselves in backward
 
     @property
     def world_size(self) -> int:
@@ -86,6 +88,24 @@ class TensorParallel:
             return slice(0, seq_len)
         per_rank = seq_len // self.world_size
         return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def begin(self, seq_len: int, held: bool = False) -> None:
+        """Start a forward of `seq_len` tokens: the layouts, and the local views of the replicated parameters.
+        `held`: the caller runs the decoder layers itself, outside the base model's forward (a pipeline chunk), and
+        calls `end` after them; the base model's hooks then leave both alone."""
+        self._use_layout(seq_len)
+        self._use_local_views()
+        self.held = held
+
+    def end(self, output: torch.Tensor) -> None:
+        """End a forward begun with `held=True`; `output` is what it returns (its backward ends the views' use when
+        the layers recompute themselves)."""
+        self.held = False
+        self._end_forward(output, self.checkpointing())
+
+    def _end_base_forward(self, output) -> None:
+        if not self.held:
+            self._end_forward(getattr(output, "last_hidden_state", None), self.checkpointing())
 
     def _use_layout(self, seq_len: int) -> None:
         """Switch every sequence-side layout for a forward of `seq_len` tokens (a base-model forward pre-hook).
@@ -119,10 +139,9 @@ class TensorParallel:
             view = param.to_local()
             module._parameters[name] = _SumGradOverRanks.apply(view, group) if partial_grad else view
 
-    def _end_forward(self, output, checkpointing: bool) -> None:
+    def _end_forward(self, hidden, checkpointing: bool) -> None:
         """Give the parameters back after the forward (a base-model hook), or, when activation checkpointing will
         recompute layers in backward, once the backward is over: the recompute reads the same local views."""
-        hidden = getattr(output, "last_hidden_state", None)
         if not (checkpointing and isinstance(hidden, torch.Tensor) and hidden.requires_grad):
             self._restore()
             return
@@ -197,42 +216,46 @@ def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None) -> Tens
     if not model.is_planned():
         model.plan_layers()
     base = model.model
-    body_plan = _body_plan(model.config, base.layers[0].sides, mesh.size())
+    layers = [layer for layer in base.layers if layer.sides]  # a pipeline stage: its own
+    body_plan = _body_plan(model.config, layers[0].sides, mesh.size())
     tp = TensorParallel(mesh)
 
-    embed = base.get_input_embeddings()
+    embed = getattr(base, "embed_tokens", None)  # None on a pipeline stage without the embedding
     head = getattr(model, "lm_head", None)
-    tied = head is not None and head.weight is embed.weight
-    parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
-    for layer in base.layers:
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    if embed is not None:
+        parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    for layer in layers:
         for side in layer.sides:
             _parallelize_body(tp, getattr(layer, side.body), side, body_plan[side.body], mesh)
-    tp._shard_inputs.append(PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=SEQUENCE,
-                                               use_local_output=True))
-    parallelize_module(base.layers[0], mesh, tp._shard_inputs[-1])
-    tp._gather_inputs.append(PrepareModuleInput(input_layouts=SEQUENCE, desired_input_layouts=Replicate(),
-                                                use_local_output=True))
-    parallelize_module(base.norm, mesh, tp._gather_inputs[-1])
-    if head is not None:
+    if embed is not None:  # the stream starts at layer 0, on the rank that embeds
+        tp._shard_inputs.append(PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=SEQUENCE,
+                                                   use_local_output=True))
+        parallelize_module(base.layers[0], mesh, tp._shard_inputs[-1])
+    if head is not None:  # the stream ends at the final norm, on the rank with the head
+        tp._gather_inputs.append(PrepareModuleInput(input_layouts=SEQUENCE, desired_input_layouts=Replicate(),
+                                                    use_local_output=True))
+        parallelize_module(base.norm, mesh, tp._gather_inputs[-1])
         parallelize_module(head, mesh, ColwiseParallel(output_layouts=Replicate()))
         if tied:
             head.weight = embed.weight  # both vocabulary rows, Shard(0): one parameter again
     # the final norm sees every token (gathered); every other replicated parameter this rank's tokens or heads only
-    _replicate(tp, model, whole={id(p) for p in base.norm.parameters()})
+    _replicate(tp, model, whole={id(p) for p in base.norm.parameters()} if head is not None else set())
+    tp.checkpointing = lambda: any(layer.gradient_checkpointing and layer.training for layer in layers)
     base.register_forward_pre_hook(_forward_hook(tp), with_kwargs=True)
-    checkpointing = lambda: any(layer.gradient_checkpointing and layer.training for layer in base.layers)
-    base.register_forward_hook(lambda module, args, output: tp._end_forward(output, checkpointing()), always_call=True)
+    base.register_forward_hook(lambda module, args, output: tp._end_base_forward(output), always_call=True)
     return tp
 
 
 def _forward_hook(tp: TensorParallel):
     """A base-model forward pre-hook: the layout of this forward, from its token count, and the local views."""
     def begin(module, args, kwargs):
+        if tp.held:
+            return
         tokens = kwargs.get("input_ids")
         tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
         tokens = args[0] if tokens is None and args else tokens
-        tp._use_layout(tokens.shape[1])
-        tp._use_local_views()
+        tp.begin(tokens.shape[1])
 
     return begin
 

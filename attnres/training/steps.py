@@ -81,7 +81,7 @@ class PipelineSteps:
         self.trainer = PipelineTrainer(
             model, schedule=config.pp_schedule, microbatches=microbatches(config, dims),
             virtual_stages=config.virtual_stages, group=mesh["pp"].get_group(),
-            dp_mesh=dp_mesh(mesh) if dims.dp > 1 else None,
+            dp_mesh=dp_mesh(mesh) if dims.dp > 1 else None, tp_mesh=mesh["tp"] if dims.tp > 1 else None,
         )
         self.rows = (dp_rank(mesh), dims.dp)
         self.sharded = dims.dp > 1
@@ -148,10 +148,6 @@ def check_settings(config: TrainConfig, dims: ParallelDims) -> None:
     """A ValueError for pipeline settings that cannot run on these ranks, before anything is written."""
     if dims.pp == 1:
         return
-    if dims.tp > 1:
-        raise ValueError(f"tp: a pipeline composed with tensor parallel ({dims.describe()}) is not supported yet: tensor "
-                         f"parallel hands the family's modules local views of their parameters for each forward of "
-                         f"the whole model, which a pipeline stage does not run")
     count = microbatches(config, dims)
     check_pipeline(config.pp_schedule, count, config.virtual_stages, config.layers, dims.pp)
     if config.batch_size % (count * dims.dp):
