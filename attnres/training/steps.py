@@ -47,13 +47,13 @@ class MeshSteps:
     def run(self, batch: torch.Tensor, autocast: AbstractContextManager, max_norm: float) -> tuple[float, float]:
         """Forward and backward of the global `batch`, then clipping: (mean loss, gradient norm), on every rank."""
         rows = local_rows(batch, *self.rows)  # every rank draws the same global batch
-        with autocast:
-            loss = self.trained(input_ids=rows, labels=rows).loss
-        try:
-            loss.backward()  # DDP and FSDP2 reduce the gradients over the data-parallel ranks in it
+        try:  # TP and FSDP2 gather in forward and backward, DDP and FSDP2 reduce gradients in backward
+            with autocast:
+                loss = self.trained(input_ids=rows, labels=rows).loss
+            loss.backward()
         except RuntimeError as e:
             if self.ranks.distributed and is_collective_error(e):
-                raise RankFailed(lost_rank_message("reducing the gradients", e)) from e
+                raise RankFailed(lost_rank_message("running the forward and backward", e)) from e
             raise
         norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], max_norm)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm

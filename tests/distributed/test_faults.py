@@ -43,7 +43,8 @@ def _rank_one_fails_at_step_two(rank: int, out: str, fault: str, parallel: str) 
     train(config, model)
 
 
-@pytest.mark.parametrize("fault, parallel", [("raise", "ddp"), ("exit", "ddp"), ("stall", "ddp"), ("raise", "pipeline")])
+@pytest.mark.parametrize("fault, parallel", [("raise", "ddp"), ("exit", "ddp"), ("stall", "ddp"), ("raise", "pipeline"),
+                                             ("raise", "tp"), ("raise", "fsdp")])
 def test_failing_rank_stops_the_other_with_a_clear_error(tmp_path, fault, parallel):
     results = run_ranks(_rank_one_fails_at_step_two, 2, str(tmp_path / "run"), fault, parallel, timeout_s=TIMEOUT_S,
                         join_s=90)

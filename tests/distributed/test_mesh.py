@@ -17,14 +17,22 @@ MESHES = {
     "pp 2 x dp_shard 2": dict(pp=2, dp_shard=2),
     "pp 2 x tp 2": dict(pp=2, tp=2),
     "pp 4": dict(pp=4),
+    # the other residuals, and a family with a sliding window and soft-capped logits, on the 3 kinds of composition
+    "dp_shard 2 x tp 2, standard": dict(dp_shard=2, tp=2, residual="standard"),
+    "pp 2 x tp 2, full": dict(pp=2, tp=2, residual="full"),
+    "pp 2 x dp_shard 2, gemma2": dict(pp=2, dp_shard=2, base="gemma2",
+                                      base_config=dict(head_dim=8, sliding_window=8, final_logit_softcapping=30.0)),
+    "dp_shard 2 x tp 2, gemma2": dict(dp_shard=2, tp=2, base="gemma2",
+                                      base_config=dict(head_dim=8, sliding_window=8, final_logit_softcapping=30.0)),
 }
+MODEL_FIELDS = ("residual", "base", "base_config")
 STEPS, STOP = 8, 6  # the resharded run: stopped at step 6 on one mesh, resumed on another
 RESHARDED = "dp_shard 2 x tp 2, resumed as pp 2 x dp_shard 2"
 
 
 def _mesh_runs(rank: int, tmp: str) -> None:
-    for name, dims in MESHES.items():
-        train(tiny(f"{tmp}/{name}", **SIZES, **dims))
+    for name, settings in MESHES.items():
+        train(tiny(f"{tmp}/{name}", **{**SIZES, **settings}))
     out = f"{tmp}/{RESHARDED}"
     train(tiny(out, **SIZES, steps=STEPS, stop_after=STOP, **MESHES["dp_shard 2 x tp 2"]))
     train(tiny(out, **SIZES, steps=STEPS, resume=True, **MESHES["pp 2 x dp_shard 2"]))
@@ -47,7 +55,8 @@ def _curve(run_dir) -> list[tuple[str, int, float]]:
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_each_composition_follows_one_process(four_ranks, tmp_path, mesh):
-    reference = train(tiny(tmp_path / "one", **SIZES))
+    model = {k: v for k, v in MESHES[mesh].items() if k in MODEL_FIELDS}
+    reference = train(tiny(tmp_path / "one", **{**SIZES, **model}))
     one, composed = _curve(reference.run_dir), _curve(four_ranks / mesh)
     assert [c[:2] for c in composed] == [c[:2] for c in one]
     torch.testing.assert_close([c[2] for c in composed], [c[2] for c in one], rtol=0, atol=1e-4)
@@ -55,7 +64,7 @@ def test_each_composition_follows_one_process(four_ranks, tmp_path, mesh):
     memory = {r["rank"]: r for r in read_log(four_ranks / mesh, "memory")}
     whole = read_log(reference.run_dir, "memory")[0]
     assert sorted(memory) == [0, 1, 2, 3]
-    dims = {"pp": 1, "dp_shard": 1, "tp": 1, **MESHES[mesh]}
+    dims = {"pp": 1, "dp_shard": 1, "tp": 1, **{k: v for k, v in MESHES[mesh].items() if k not in MODEL_FIELDS}}
     if dims["pp"] == 1:
         share = 1 / (dims["dp_shard"] * dims["tp"])  # replicas hold a whole shard each
         for line in memory.values():  # the share, and a little more: a few small tensors stay replicated under TP
