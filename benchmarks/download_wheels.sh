@@ -4,15 +4,19 @@
 #   benchmarks/download_wheels.sh            # into wheels/ (git-ignored), for CPython 3.12 on linux x86_64
 #   PYTHON_VERSION=3.11 benchmarks/download_wheels.sh
 #
-# Only what such a machine may lack: fla-core (the peer, pure Python) and its one requirement einops. torch with CUDA
-# and triton come with the GPU machine and are never downloaded here. Versions are pinned to the ones the CPU test
-# suite runs with; gpu_check.sh installs a wheel only when its package is missing there.
+# What such a machine lacks: fla-core (the peer, pure Python) and its one requirement einops, and the transformers the
+# CPU test suite runs (5.24.0) with the huggingface-hub it needs. The GPU machine comes with Python 3.12, torch 2.11
+# (CUDA 13.0), triton 3.6.0 and transformers 5.17.0; attnres imports and trains on 5.17, but 5.17 still names the KV
+# cache `past_key_values` where attnres passes and reads `cache`, so its decode needs the newer one. torch and triton
+# are never downloaded here. gpu_check.sh installs a wheel when its package is missing there or at another version,
+# and falls back to the machine's own packages when the result does not import. The folder is about 20 MiB: the
+# device tool carries it (carry: ["wheels"], benchmarks/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 PYTHON_VERSION=${PYTHON_VERSION:-3.12}
-PACKAGES=(fla-core==0.6.0 einops==0.8.2)
+PACKAGES=(fla-core==0.6.0 einops==0.8.2 transformers==5.24.0 huggingface-hub==1.31.0 hf-xet==1.8.0 click==8.5.1)
 
 mkdir -p wheels
 "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --dest wheels \

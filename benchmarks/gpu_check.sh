@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# One command on a CUDA GPU machine (an H200; no network needed): installs what is missing from the wheels that
-# benchmarks/download_wheels.sh put into wheels/, then runs benchmarks/gpu_model_check.py: the Triton kernel tests on
-# the GPU, model-level parity of the kernels against the torch path (training steps, prefill and greedy decode, under
-# torch.compile and in a CUDA graph), peak memory, model-level time ratios and the operator's HBM fraction beside fla's
-# fused_attnres. Under 8 minutes: every stage runs in its own process with its own time limit, so one that fails or
-# hangs loses only itself. One JSON and a short table at the end.
+# One command on a CUDA GPU machine without network (an H200): installs from wheels/ (prepared by
+# benchmarks/download_wheels.sh on a machine with network, carried along) each package that is missing or at another
+# version, then runs benchmarks/gpu_model_check.py: the operator's HBM fraction beside fla's fused_attnres first, then
+# model-level parity of the kernels against the torch path, prefill and greedy decode (eager, torch.compile, CUDA
+# graph), the Triton kernel tests on the GPU, model-level time ratios and peak memory. Every stage runs in its own
+# process with its own time limit, so one that fails or hangs loses only itself; the whole run fits one 600 s call.
 #
-#   benchmarks/gpu_check.sh            # from anywhere; writes runs/gpu_check.json (and a copy into $OUT if set)
+#   benchmarks/gpu_check.sh            # from anywhere; results in $OUT when set (the device tool's folder), else runs/
 #   benchmarks/gpu_check.sh --smoke    # the same stages on CPU, tiny sizes, Triton interpreted (CI runs this)
+#   GPU_CHECK_INSTALL=1 PYTHON=venv/bin/python benchmarks/gpu_check.sh --smoke   # a dry run: installs from wheels/ too
 #
-# Exit status: 0 when every stage ran and every parity check passed, 1 otherwise.
+# Written as they come (a run cut short keeps them): gpu_check.json (the report, rewritten after every stage),
+# gpu_check.stages/ (each stage's own JSON, rewritten at every result, and op_tests.log) and gpu_check.log (this
+# script's output). Exit status: 0 when every stage ran and every parity check passed, 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
-budget=${GPU_CHECK_SECONDS:-470}  # total, leaving margin under 8 minutes
-json=${GPU_CHECK_JSON:-runs/gpu_check.json}
+budget=${GPU_CHECK_SECONDS:-540}  # for everything: one device call is limited to 600 s
+out_dir=${OUT:-runs}
+json=${GPU_CHECK_JSON:-$out_dir/gpu_check.json}
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 smoke=()
@@ -25,34 +29,52 @@ elif [[ $# -gt 0 ]]; then
     echo "usage: $0 [--smoke]" >&2
     exit 2
 fi
+mkdir -p "$(dirname "$json")"
+exec > >(tee "${json%.json}.log") 2>&1
 
 step() { printf '\n=== %s (%ds elapsed)\n' "$1" $((SECONDS - start)); }
 
-if ((${#smoke[@]} == 0)); then
-    step "environment"
-    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+step "environment"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$PYTHON" -c 'import sys, torch, triton, transformers; print(f"python {sys.version.split()[0]}, torch {torch.__version__},"
+    f" triton {triton.__version__}, transformers {transformers.__version__}")'
 
-    step "install missing packages from wheels/"
-    site=${TMPDIR:-/tmp}/attnres-gpu-site
-    shopt -s nullglob
-    for wheel in wheels/*.whl; do
-        dist=$(basename "$wheel"); dist=${dist%%-*}
-        if "$PYTHON" -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$dist" 2>/dev/null; then
-            echo "$dist: already installed"
-        elif "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --target "$site" "$wheel"; then
-            echo "$dist: installed from $wheel"
-        else
-            echo "$dist: install from $wheel FAILED"
-        fi
-    done
-    [[ -d "$site" ]] && export PYTHONPATH="$PYTHONPATH:$site"
+step "install from wheels/ what is missing or at another version"
+site=${TMPDIR:-/tmp}/attnres-gpu-site
+rm -rf "$site"
+shopt -s nullglob
+wheels=(wheels/*.whl)
+if ((${#smoke[@]} > 0)) && [[ "${GPU_CHECK_INSTALL:-0}" != 1 ]]; then
+    wheels=()  # --smoke uses this environment as it is, unless GPU_CHECK_INSTALL=1 (a dry run of the GPU machine)
 fi
+for wheel in "${wheels[@]}"; do
+    name=$(basename "$wheel")
+    dist=${name%%-*}
+    want=${name#"$dist"-}
+    want=${want%%-*}
+    have=$("$PYTHON" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$dist" 2>/dev/null)
+    if [[ "$have" == "$want" ]]; then
+        echo "$dist $want: installed"
+    elif "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --target "$site" "$wheel"; then
+        echo "$dist $want: installed from $wheel (found: ${have:-none})"
+    else
+        echo "$dist $want: install from $wheel FAILED (found: ${have:-none})"
+    fi
+done
+# PYTHONPATH comes before site-packages: a wheel installed here wins over another version installed there
+if [[ -d "$site" ]]; then
+    if PYTHONPATH="$site:$PYTHONPATH" "$PYTHON" -c "import transformers, attnres.models" 2>/dev/null; then
+        export PYTHONPATH="$site:$PYTHONPATH"
+    else
+        echo "the installed wheels do not import together with this machine's packages: using the machine's own"
+    fi
+fi
+"$PYTHON" -c 'import transformers; print(f"transformers {transformers.__version__} from {transformers.__file__}")'
 
 step "stages (benchmarks/gpu_model_check.py)"
 left=$((budget - (SECONDS - start)))
-timeout -k 20 "$((left + 10))" "$PYTHON" benchmarks/gpu_model_check.py "${smoke[@]}" --deadline "$left" --json "$json"
+timeout -k 15 "$((left + 10))" "$PYTHON" benchmarks/gpu_model_check.py "${smoke[@]}" --deadline "$left" --json "$json"
 status=$?
-[[ -n "${OUT:-}" && -f "$json" ]] && cp "$json" "$OUT/"
 
 step "done, status $status"
 exit $((status != 0))

@@ -1,25 +1,27 @@
 """Everything only a GPU can check, in one run: the Triton kernels inside whole models, memory and speed.
 
-Stages, in this order, each in a forked child process with its own time limit (a hang, an out-of-memory or a CUDA
-error that poisons the context ends that stage only; what it measured before stays, since every stage writes its
-results as they come):
+Stages, in this order (by value: the headline measurement first), each in a forked child process with its own time
+limit (a hang, an out-of-memory or a CUDA error that poisons the context ends that stage only; what it measured
+before stays, since every stage writes its results as they come):
 
 - env: device, versions; stops the run where no CUDA device is visible (outside --smoke).
-- op_tests: the Triton kernel tests on CUDA (pytest; skipped in --smoke, where the CPU suite runs them interpreted).
+- op_hbm: the operator at T=16K, d=7168, R=9, bf16: fraction of HBM peak and of the measured copy bandwidth, beside
+  flash-linear-attention's `fused_attnres` (benchmarks/gpu_bench.py), then its other shapes while time is left; a
+  case that fails is recorded and the next one runs.
 - parity: loss and every parameter gradient of one training step through the Triton kernels and through the torch-op
   path (`ATTNRES_BACKEND=torch`), Block with two-phase forced on and off and Full, fp32 and bf16. Both are held to an
   fp64 copy of the model: a case passes when the kernels' error is at most twice the torch path's, plus a floor
   (1e-5 fp32, 1e-3 bf16, relative). Which kernels ran is counted, so a silent fallback to torch fails the case.
 - decode: prefill and greedy decode of a Block model (the fused bank ops), the torch path as reference, then the
-  Triton kernels eager, with decode captured in a CUDA graph (a StaticCache, static input buffers), and under
-  `torch.compile` (inductor): same tokens, logits to fp32 rounding.
-- memory: peak memory (`torch.cuda.max_memory_allocated` above the parameters) and bytes autograd saves for one
-  forward + backward, standard / Block (two-phase auto, forced off, forced on) / Full, d=2048, 8 layers, T=4096, bf16.
+  Triton kernels eager, under `torch.compile` (inductor), and last with decode captured in a CUDA graph (a
+  StaticCache, static input buffers; a failed capture can poison the context): same tokens, logits to fp32 rounding.
+- op_tests: the Triton kernel tests on CUDA (pytest, one config per kernel, the log in the stages folder; skipped in
+  --smoke, where the CPU suite runs them interpreted).
 - timing: Block/standard and Full/standard time of a training step, a prefill and a decode step at that size.
   In both, every model's plain RMSNorms are the fastest plain norm (`attnres.bench.models.fast_norms`), the standard
   baseline's included, as AttnRes fuses its PreNorms.
-- op_hbm: the operator at T=16K, d=7168, R=9, bf16: fraction of HBM peak, beside flash-linear-attention's
-  `fused_attnres` (benchmarks/gpu_bench.py), then its other shapes while time is left.
+- memory: peak memory (`torch.cuda.max_memory_allocated` above the parameters) and bytes autograd saves for one
+  forward + backward, standard / Block (two-phase auto, forced off, forced on) / Full, d=2048, 8 layers, T=4096, bf16.
 
 All results go into one JSON (`--json`) and a short table is printed at the end, with the issue-13 targets.
 
@@ -60,6 +62,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from attnres.atomic import atomic_write_text  # noqa: E402
 from attnres.models import AttnResConfig, AttnResForCausalLM  # noqa: E402
+from attnres.ops.triton.depth_attention import SINGLE_CONFIG_ENV  # noqa: E402
 
 MIB = 2**20
 KERNEL_OPS = ("fwd", "bwd", "stats_fwd", "stats_bwd", "bank_aggregate", "bank_merge", "merge_fwd", "merge_bwd")
@@ -131,9 +134,10 @@ EXPECTED_KERNELS = {
     ("full", None): ("fwd", "bwd"),
 }
 ERROR_FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
-# a stage's most seconds, and the least it is worth starting with
-LIMITS = {"env": (60, 10), "op_tests": (150, 30), "parity": (90, 20), "decode": (150, 30), "memory": (60, 20),
-          "timing": (60, 20), "op_hbm": (None, 30)}
+# a stage's most seconds and the least it is worth starting with, in the order they run: by value, the headline
+# measurement (the operator's HBM fraction, fla's fused kernel beside it: its autotuning alone takes minutes) first
+LIMITS = {"env": (45, 10), "op_hbm": (270, 60), "parity": (70, 20), "decode": (100, 30), "op_tests": (120, 30),
+          "timing": (50, 20), "memory": (40, 15)}
 STAGES = tuple(LIMITS)
 
 
@@ -249,12 +253,7 @@ def stage_env(rec: Recorder, smoke: bool) -> None:
     rec.set("torch", torch.__version__)
     rec.set("triton", triton.__version__)
     rec.set("transformers", transformers.__version__)
-    try:
-        import fla
-
-        rec.set("fla", getattr(fla, "__version__", "?"))
-    except ImportError as exc:
-        rec.set("fla", f"not importable ({exc})")
+    rec.set("fla", fla_status())
     if smoke:
         rec.set("device", "cpu (Triton interpreter)")
         return
@@ -262,6 +261,17 @@ def stage_env(rec: Recorder, smoke: bool) -> None:
         raise RuntimeError("no CUDA device visible to torch")
     props = torch.cuda.get_device_properties(0)
     rec.set("device", f"{props.name}, {props.total_memory / 2**30:.0f} GiB")
+
+
+def fla_status() -> str:
+    """fla-core's version, or why its attnres ops do not import: fla queries the device at import, so anything may be
+    raised, not only an ImportError (a stage must not fail on the peer)."""
+    try:
+        fla = importlib.import_module("fla")
+        importlib.import_module("fla.ops.attnres")
+        return getattr(fla, "__version__", "?")
+    except Exception as exc:  # noqa: BLE001
+        return f"not importable ({type(exc).__name__}: {exc})"
 
 
 def loss_and_grads(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -377,6 +387,7 @@ def greedy_static(call, model, prompt: torch.Tensor, steps: int, device: torch.d
             captured = torch.cuda.CUDAGraph()
             with torch.cuda.graph(captured):
                 static_logits = step()
+            print("  decode step captured in a CUDA graph", flush=True)
 
             def graphed() -> torch.Tensor:
                 captured.replay()
@@ -395,7 +406,7 @@ def greedy_static(call, model, prompt: torch.Tensor, steps: int, device: torch.d
             sync(device)
             times.append(time.perf_counter() - start)
             logits.append(new)
-    return {"logits": torch.cat(logits[:-1]), "seconds": times}
+    return {"logits": torch.cat(logits[:-1]), "seconds": times, "captured": graph}
 
 
 def stage_decode(rec: Recorder, sizes: Sizes, device: torch.device, counts: KernelCounts) -> None:
@@ -412,11 +423,11 @@ def stage_decode(rec: Recorder, sizes: Sizes, device: torch.device, counts: Kern
     compiled = torch.compile(model, backend=sizes.compile_backend)
     variants = {
         "triton eager": lambda: greedy_dynamic(model, prompt, steps, device),
-        "triton cuda graph" if device.type == "cuda" else "triton static buffers (smoke: not captured)":
-            lambda: greedy_static(model, model, prompt, steps, device, graph=device.type == "cuda"),
         f"triton torch.compile ({sizes.compile_backend})":
             lambda: greedy_static(compiled, model, prompt, steps, device, graph=False,
                                   prefill_call=compiled if sizes.compile_prefill else model),
+        "triton cuda graph" if device.type == "cuda" else "triton static buffers (smoke: not captured)":
+            lambda: greedy_static(model, model, prompt, steps, device, graph=device.type == "cuda"),
     }
     for name, run in variants.items():
         try:
@@ -431,11 +442,12 @@ def stage_decode(rec: Recorder, sizes: Sizes, device: torch.device, counts: Kern
             passed = same and err <= 1e-4 and routed
             ms = 1e3 * statistics.median(got["seconds"])
             rec.set(name, {"passed": passed, "tokens_equal": same, "logits_rel_err": err, "kernel_calls": calls,
-                           "ms_per_token": ms, "seconds": time.perf_counter() - started})
+                           "ms_per_token": ms, "seconds": time.perf_counter() - started,
+                           "captured": got.get("captured", False)})
             print(f"  {name}: tokens {'equal' if same else 'DIFFER'}, logits {err:.2e}, {ms:.2f} ms/token; "
                   f"{'PASS' if passed else 'FAIL'}", flush=True)
         except Exception as exc:  # noqa: BLE001
-            rec.error(name, exc)
+            rec.error(name, exc)  # for the graph variant: the capture's own error (what torch and Triton allow)
 
 
 MEMORY_KINDS = [("standard", "standard", None), ("block", "block", None), ("block one-shot", "block", False),
@@ -516,12 +528,11 @@ def stage_op_hbm(rec: Recorder, sizes: Sizes, device: torch.device, smoke: bool,
 
     args = gpu_bench.parse_args(["--smoke"] if smoke else [])
     budget = gpu_bench.Budget(seconds)
-    try:
-        importlib.import_module("fla.ops.attnres")
-        have_fla = True
-    except ImportError:
-        have_fla = False
-    rec.set("copy_gbps", gpu_bench.copy_bandwidth_gbps(device, smoke))
+    fla = fla_status()
+    have_fla = not fla.startswith("not importable")
+    rec.set("fla", fla)
+    copy_gbps = gpu_bench.copy_bandwidth_gbps(device, smoke)
+    rec.set("copy_gbps", copy_gbps)
     rec.set("peak_tbs", args.peak_tbs)
     rows: list = []
     shapes = gpu_bench.SMOKE_SHAPES if smoke else gpu_bench.SHAPES
@@ -537,8 +548,11 @@ def stage_op_hbm(rec: Recorder, sizes: Sizes, device: torch.device, smoke: bool,
         if budget.left() <= 0:
             break
         print(f"  {shape.name}:", flush=True)
-        run(shape, args, device, *extra, rows) if extra else run(shape, args, device, rows)
-        rec.set("rows", [dataclasses.asdict(r) for r in rows])
+        try:  # one case's failure is recorded, the others still run
+            run(shape, args, device, *extra, rows) if extra else run(shape, args, device, rows)
+        except Exception as exc:  # noqa: BLE001
+            rec.error(shape.name, exc)
+        rec.set("rows", [dataclasses.asdict(r) for r in gpu_bench.of_copy(rows, copy_gbps)])
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -564,18 +578,25 @@ def child(stage: str, path: Path, smoke: bool, seconds: float) -> None:
     os._exit(1 if rec.errors else 0)  # no atexit handlers of the parent's libraries in a forked child
 
 
-def run_op_tests(seconds: float) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *OP_TESTS]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=seconds)
-    except subprocess.TimeoutExpired as exc:
-        tail = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return {"status": "timeout", "result": {"tail": tail[-2000:]}}
-    lines = proc.stdout.strip().splitlines()
+def run_op_tests(seconds: float, log: Path) -> dict:
+    """The kernel tests on the GPU, their whole output in `log` as it comes. One config per kernel: autotuning each of
+    the dozens of kernel variants they compile would not fit the stage."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *OP_TESTS]
+    env = {**os.environ, SINGLE_CONFIG_ENV: "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        try:
+            returncode = proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            returncode = None
+    lines = log.read_text(errors="replace").strip().splitlines()
     print("\n".join(lines[-15:]), flush=True)
-    return {"status": "ok" if proc.returncode == 0 else "failed",
-            "result": {"returncode": proc.returncode, "summary": lines[-1] if lines else "",
-                       "tail": proc.stdout[-3000:]}}
+    result = {"returncode": returncode, "summary": lines[-1] if lines else "", "log": str(log),
+              "tail": "\n".join(lines[-40:])[-3000:]}
+    status = "timeout" if returncode is None else "ok" if returncode == 0 else "failed"
+    return {"status": status, "result": result}
 
 
 def process_context(smoke: bool):
@@ -594,8 +615,9 @@ def run_stage(stage: str, seconds: float, smoke: bool, workdir: Path) -> dict:
     if stage == "op_tests":
         if smoke:
             return {"status": "skipped", "result": {"why": "the CPU suite runs these kernel tests interpreted"}}
-        return run_op_tests(seconds)
+        return run_op_tests(seconds, workdir / "op_tests.log")
     path = workdir / f"{stage}.json"
+    path.unlink(missing_ok=True)  # a file left by an earlier run is not this run's result
     proc = process_context(smoke).Process(target=child, args=(stage, path, smoke, seconds))
     proc.start()
     proc.join(seconds)

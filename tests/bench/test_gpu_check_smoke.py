@@ -31,6 +31,7 @@ def report(tmp_path_factory):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
     assert "PASS  parity: block two-phase fp32" in proc.stdout
+    assert "PASS  parity: block two-phase fp32" in out.with_suffix(".log").read_text()  # the run's own log
     return json.loads(out.read_text())
 
 
@@ -122,3 +123,61 @@ def test_a_stage_that_hangs_or_fails_loses_only_itself(tmp_path, monkeypatch):
     got = check.run_stage("timing", 30.0, True, tmp_path)
     assert got["status"] == "failed" and "illegal memory access" in got["errors"]["stage"]
     assert "RuntimeError" in got["tracebacks"]["stage"]
+
+
+def test_op_hbm_reports_copy_fractions_and_the_peer(report):
+    rows = report["stages"]["op_hbm"]["result"]["rows"]
+    assert all(r["of_copy"] > 0 for r in rows)
+    assert report["stages"]["op_hbm"]["result"]["fla"]  # the peer's version, or why it does not import
+
+
+def test_the_headline_stage_runs_first_with_its_whole_limit():
+    """With the deadline gpu_check.sh passes (540 s less the install), op_hbm, right after env, gets its whole limit
+    while every later stage keeps the least it is worth starting with; the limits of all fit one 600 s call."""
+    assert check.STAGES[:2] == ("env", "op_hbm")
+    deadline = 530
+    later = sum(least for stage, (_, least) in check.LIMITS.items() if stage not in ("env", "op_hbm"))
+    most, _ = check.LIMITS["op_hbm"]
+    assert deadline - check.LIMITS["env"][0] - later >= most >= 200  # fla's case alone needs about 200 s
+    assert "GPU_CHECK_SECONDS:-540" in (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+
+
+def test_a_stale_stage_file_is_not_read_as_this_runs(tmp_path, monkeypatch):
+    (tmp_path / "memory.json").write_text(json.dumps({"result": {"old": 1}, "errors": {}}))
+
+    def crash(stage, path, smoke, seconds):
+        os._exit(1)
+
+    monkeypatch.setattr(check, "child", crash)
+    got = check.run_stage("memory", 30.0, True, tmp_path)
+    assert got["status"] == "failed" and got["result"] == {}
+
+
+def test_one_failing_op_hbm_case_loses_only_itself(tmp_path, monkeypatch):
+    import gpu_bench
+
+    def fine(shape, args, device, *rest):
+        rest[-1].append(gpu_bench.Row(shape.name, "attnres triton", "fwd", 1.0, 10.0, 0.1))
+
+    def broken(shape, args, device, rows):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(gpu_bench, "run_shape", fine)
+    monkeypatch.setattr(gpu_bench, "run_bank_shape", broken)
+    monkeypatch.setattr(gpu_bench, "run_merge_shape", fine)
+    rec = check.Recorder(tmp_path / "op_hbm.json")
+    check.stage_op_hbm(rec, check.SMOKE_SIZES, torch.device("cpu"), True, 60.0)
+    assert "out of memory" in rec.errors[gpu_bench.SMOKE_BANK_SHAPES[0].name]
+    assert len(rec.data["rows"]) == 2 and all(r["of_copy"] > 0 for r in rec.data["rows"])
+
+
+def test_a_peer_that_raises_anything_at_import_is_reported_not_fatal(monkeypatch):
+    real = check.importlib.import_module
+
+    def imports(name, *args):
+        if name.startswith("fla"):
+            raise RuntimeError("Found no NVIDIA driver on your system")
+        return real(name, *args)
+
+    monkeypatch.setattr(check.importlib, "import_module", imports)
+    assert check.fla_status() == "not importable (RuntimeError: Found no NVIDIA driver on your system)"
