@@ -34,7 +34,8 @@ def register(sub) -> None:
     d.add_argument("--tokenizer", default=DEFAULTS["tokenizer"],
                    help="'bytes' (byte-level, vocab 256, NUL separates files) or a Hugging Face tokenizer name or "
                    "folder, searched locally unless --allow-download (default: %(default)s)")
-    d.add_argument("--allow-download", action="store_true", help="let --tokenizer be fetched from the Hugging Face Hub")
+    d.add_argument("--allow-download", action="store_true",
+                   help="let --tokenizer or --init-from be fetched from the Hugging Face Hub")
     d.add_argument("--val-fraction", type=float, default=DEFAULTS["val_fraction"],
                    help="the last part of the token stream, held out for validation (default: %(default)s)")
 
@@ -44,6 +45,12 @@ def register(sub) -> None:
                    help="Block AttnRes block size, counted in decoder layers (default: %(default)s)")
     m.add_argument("--rescale-mixture", action="store_true",
                    help="attn_res_rescale_mixture: a zero-query AttnRes model computes exactly the standard model")
+    m.add_argument("--init-from", default=None, metavar="FOLDER",
+                   help="continue training a pretrained causal LM: a local transformers folder (any supported family, "
+                   "or a run's final/) or a Hub name with --allow-download, converted exactly to --residual (its "
+                   "step-0 validation loss is the folder's own); its tokenizer is used, and the architecture flags "
+                   "(--layers, --dim, --heads, --kv-heads, --ffn, --tie-embeddings, --base, --base-config, "
+                   "--tokenizer) are refused")
     m.add_argument("--layers", type=int, default=DEFAULTS["layers"], help="decoder layers (default: %(default)s)")
     m.add_argument("--dim", type=int, default=DEFAULTS["dim"], help="hidden size (default: %(default)s)")
     m.add_argument("--heads", type=int, default=DEFAULTS["heads"], help="attention heads (default: %(default)s)")
@@ -82,6 +89,9 @@ def register(sub) -> None:
     o.add_argument("--attn-res-lr-mult", type=float, default=DEFAULTS["attn_res_lr_mult"],
                    help="learning-rate multiplier of the AttnRes pseudo-queries and key gains; at 1 the depth softmax "
                    "saturates early and AttnRes loses at small scale (docs/design.md section 10; default: %(default)s)")
+    o.add_argument("--freeze-base", action="store_true",
+                   help="with --init-from and a Block or Full residual: train the AttnRes parameters only (at "
+                   "--lr times --attn-res-lr-mult), the pretrained weights stay as they are")
     o.add_argument("--attn-res-weight-decay", type=float, default=DEFAULTS["attn_res_weight_decay"],
                    help="weight decay of the AttnRes parameters (default: %(default)s)")
     o.add_argument("--grad-clip", type=float, default=DEFAULTS["grad_clip"],

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from attnres.distributed.data_parallel import DEFAULT_TIMEOUT_S, PARALLEL
 from attnres.distributed.mesh import ParallelDims
 from attnres.distributed.pipeline import SCHEDULES as PP_SCHEDULES
-from attnres.layers.kinds import DEFAULT_BLOCK_SIZE, RESIDUAL_KINDS
+from attnres.layers.kinds import DEFAULT_BLOCK_SIZE, RESIDUAL_KINDS, STANDARD
+from attnres.run_layout import FINAL
 from attnres.training.optim import SCHEDULES
 
 AUTOCAST = ("auto", "off", "bf16")
@@ -47,6 +49,7 @@ class TrainConfig:
     ffn: int | None = None  # None: 8/3 * dim rounded up to a multiple of 32 (SwiGLU at the size of a 4*dim MLP)
     tie_embeddings: bool = False
     activation_checkpointing: bool = False  # recompute each sublayer's internals in backward (less memory)
+    init_from: str | None = None  # a pretrained causal LM folder or Hub name to continue from, converted exactly
     # optimisation
     seq_len: int = 128
     batch_size: int = 16
@@ -59,6 +62,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     attn_res_lr_mult: float = 0.1  # docs/design.md section 10: at 1.0 the depth softmax saturates and AttnRes loses
     attn_res_weight_decay: float = 0.0
+    freeze_base: bool = False  # with init_from: train the AttnRes parameters only
     grad_clip: float = 1.0  # 0 turns clipping off (the norm is still logged)
     seed: int = 0
     autocast: str = "auto"  # "auto": bf16 on CUDA, off on CPU (measured slower there); "off"; "bf16"
@@ -123,6 +127,10 @@ class TrainConfig:
             _check_float(name, getattr(self, name), low=0)
         if self.branch_from is not None and self.schedule != "wsd":
             raise ValueError(f"branch_from: expected schedule='wsd' (only WSD runs share a prefix), got {self.schedule!r}")
+        if self.init_from is not None:
+            _check_init_from(self)
+        elif self.freeze_base:
+            raise ValueError("freeze_base: expected init_from too (a pretrained base to freeze)")
         if self.resume and self.overwrite:
             raise ValueError("resume, overwrite: expected at most one of them to be set")
         if self.warmup_steps > self.steps:
@@ -139,6 +147,10 @@ class TrainConfig:
         return self.ffn if self.ffn is not None else -(-8 * self.dim // 3 // 32) * 32
 
     def default_out(self) -> str:
+        if self.init_from is not None:
+            source = Path(str(self.init_from))
+            name = source.parent.name if source.name == FINAL else source.name
+            return os.path.join("runs", f"{self.residual}-from-{name}-s{self.seed}")
         family = "" if self.base == "llama" else f"{self.base}-"
         return os.path.join("runs", f"{family}{self.residual}-L{self.layers}-d{self.dim}-s{self.seed}")
 
@@ -159,6 +171,25 @@ class TrainConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
+# the settings a from-scratch model is built from; with init_from the folder decides them
+ARCHITECTURE_FIELDS = ("base", "base_config", "layers", "dim", "heads", "kv_heads", "ffn", "tie_embeddings", "tokenizer")
+
+
+def _check_init_from(config: TrainConfig) -> None:
+    if not isinstance(config.init_from, (str, os.PathLike)) or not str(config.init_from):
+        raise TypeError(f"init_from: expected a model folder or a Hub name, got {config.init_from!r}")
+    given = [name for name in ARCHITECTURE_FIELDS if getattr(config, name) != _DEFAULTS[name]]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ValueError(
+            f"{', '.join(given)}: the model and its tokenizer come from init_from={str(config.init_from)!r}; leave "
+            f"{flags} at the default"
+        )
+    if config.freeze_base and config.residual == STANDARD:
+        raise ValueError("freeze_base: expected residual 'block' or 'full' (a standard model has no AttnRes parameters "
+                         "to train)")
+
+
 def _check_base(base: str, base_config: dict) -> None:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -166,6 +197,10 @@ def _check_base(base: str, base_config: dict) -> None:
         raise ValueError(f"base: expected a transformers model_type such as 'llama' or 'qwen3_moe', got {base!r}")
     if not isinstance(base_config, dict) or not all(isinstance(k, str) for k in base_config):
         raise ValueError(f"base_config: expected a dict of {base} config fields, got {base_config!r}")
+
+
+_DEFAULTS = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+             for f in dataclasses.fields(TrainConfig)}
 
 
 def _check_int(name: str, value, minimum: int) -> None:

@@ -31,6 +31,7 @@ from attnres.distributed.mesh import build_mesh, memory_line
 from attnres.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from attnres.training.config import TrainConfig
 from attnres.training.data import WindowSampler, check_fits, eval_batches, load_tokenizer, read_corpus, tokenize_and_split
+from attnres.training.init_from import load_init_from
 from attnres.training.logs import RunLog, read_log
 from attnres.training.optim import build_optimizer, lr_factor, set_lr
 from attnres.training.run_folder import CHECKPOINTS, branch_source, describe_run, prepare_run_dir, save_final
@@ -132,17 +133,23 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
         torch.set_num_threads(config.threads)
     autocast_dtype = _resolve_autocast(config.autocast, device)
     run_dir = Path(config.out or config.default_out())
-    tokenizer = load_tokenizer(config.tokenizer, config.allow_download)
-    if model is None:
-        model = build_model(config, tokenizer.vocab_size)
-    else:
+    if model is not None and config.init_from is not None:
+        raise ValueError("init_from: the run was given a model too; give either a model or init_from")
+    if config.init_from is not None:  # a pretrained folder, converted exactly, with its own tokenizer
+        model, tokenizer = load_init_from(config)
         torch.manual_seed(config.seed)
+    else:
+        tokenizer = load_tokenizer(config.tokenizer, config.allow_download)
+        if model is None:
+            model = build_model(config, tokenizer.vocab_size)
+        else:
+            torch.manual_seed(config.seed)
     corpus = read_corpus(config.data, config.max_bytes)
     splits = tokenize_and_split(corpus, tokenizer, config.val_fraction)
     check_fits(splits, config.seq_len, config.val_fraction)
     dims = config.parallel_dims(ranks.world_size)
     check_settings(config, dims)
-    data = {"corpus": corpus.description, "tokenizer": config.tokenizer, "vocab_size": tokenizer.vocab_size,
+    data = {"corpus": corpus.description, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
             "train_tokens": len(splits.train), "val_tokens": len(splits.val), "fingerprint": splits.fingerprint}
     run_info = describe_run(config, model, data, device, autocast_dtype)
     branch = branch_source(config, run_info) if config.branch_from is not None else None

@@ -1,0 +1,171 @@
+"""Continued training (`init_from`): the run starts from a pretrained folder's function, exactly, with its tokenizer;
+`freeze_base`; resume and final/ as in any run; conflicting settings refused."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from attnres.cli import main
+from attnres.tokenization import byte_tokenizer
+from attnres.training import ByteTokenizer, TrainConfig, eval_batches, read_corpus, read_log, tokenize_and_split, train
+from attnres.training.optim import is_attn_res_param
+
+DATA = dict(data="stdlib", max_bytes=30_000, seq_len=16, batch_size=2, eval_batches=2)
+FAMILIES = {  # tiny family configs whose weights are drawn wide (std 0.3), so the source is far from a uniform guess
+    "llama": dict(model_type="llama"),
+    "qwen3": dict(model_type="qwen3", head_dim=8),
+}
+
+
+def continued(tmp_path, source, name="run", **overrides) -> TrainConfig:
+    settings = dict(DATA, init_from=str(source), residual="block", block_size=1, steps=4, warmup=1, eval_interval=2,
+                    log_interval=1, checkpoint_interval=100, out=str(tmp_path / name), progress=False, threads=1)
+    return TrainConfig(**{**settings, **overrides})
+
+
+@pytest.fixture(autouse=True, scope="module")
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def family_folder(folder, family: str):
+    """A tiny pretrained-looking causal LM of `family` with the byte tokenizer, saved as a transformers folder."""
+    config = AutoConfig.for_model(
+        **FAMILIES[family], vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.3,
+    )
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return family_folder(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def source_val_loss(folder) -> float:
+    """The folder's own model (transformers' class, no attnres code) on the run's fixed validation batches."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    splits = tokenize_and_split(read_corpus(DATA["data"], DATA["max_bytes"]), ByteTokenizer(), 0.05)
+    batches = eval_batches(splits.val, DATA["seq_len"], DATA["batch_size"], DATA["eval_batches"])
+    with torch.no_grad():
+        return sum(model(input_ids=b, labels=b).loss.item() for b in batches) / len(batches)
+
+
+def val_losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["val_loss"] for r in read_log(run_dir, "eval")}
+
+
+@pytest.mark.parametrize("family, residual", [("llama", "standard"), ("llama", "block"), ("llama", "full"),
+                                              ("qwen3", "block")])
+def test_step_zero_validation_loss_is_the_source_models(tmp_path, family, residual):
+    source = family_folder(tmp_path / "source", family)
+    expected = source_val_loss(source)
+    assert abs(expected - 5.545) > 0.3  # ln 256: a source that guesses uniformly would hide a wrong conversion
+    result = train(continued(tmp_path, source, residual=residual))
+    losses = val_losses(result.run_dir)
+    assert losses[0] == pytest.approx(expected, rel=1e-6, abs=0)
+    assert losses[4] != losses[0]  # and then it trains
+    assert result.model.config.residual == residual
+    assert result.model.config.base_model_type == family
+    has_queries = any(is_attn_res_param(n) for n, _ in result.model.named_parameters())
+    assert has_queries == (residual != "standard")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two tiny byte-level attnres runs from scratch with their final/: standard, and Block (block size 1)."""
+    tmp = tmp_path_factory.mktemp("runs")
+    settings = dict(DATA, layers=2, dim=16, heads=2, ffn=32, steps=3, warmup=1, eval_interval=3, log_interval=1,
+                    progress=False, threads=1)
+    return {residual: train(TrainConfig(**settings, residual=residual, block_size=1, out=str(tmp / residual)))
+            for residual in ("standard", "block")}
+
+
+def test_a_byte_level_runs_final_folder_continues_on_its_own_tokens(tmp_path, runs):
+    """A standard run's final/ continues as Block: the byte tokenizer is kept (the same token stream), and the first
+    evaluation is the source run's last."""
+    source = runs["standard"].run_dir
+    result = train(continued(tmp_path, source / "final", residual="block"))
+    assert val_losses(result.run_dir)[0] == pytest.approx(runs["standard"].final_val_loss, rel=1e-6, abs=0)
+    saved, theirs = (json.loads((d / "config.json").read_text())["data"] for d in (result.run_dir, source))
+    assert saved["tokenizer"] == "bytes" and saved["fingerprint"] == theirs["fingerprint"]
+
+
+def test_an_attn_res_run_continues_with_its_own_schedule_only(tmp_path, runs):
+    final = runs["block"].run_dir / "final"
+    result = train(continued(tmp_path, final, residual="block", block_size=1))
+    assert val_losses(result.run_dir)[0] == pytest.approx(runs["block"].final_val_loss, rel=1e-6, abs=0)
+    with pytest.raises(ValueError, match="trained with residual='block'"):
+        train(continued(tmp_path, final, name="full", residual="full"))
+    with pytest.raises(ValueError, match="attn_res_block_size"):
+        train(continued(tmp_path, final, name="b2", residual="block", block_size=2))
+
+
+def test_freeze_base_trains_the_attn_res_parameters_only(tmp_path, llama):
+    result = train(continued(tmp_path, llama, residual="full", freeze_base=True))
+    original = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).state_dict()
+    moved = []
+    for name, p in result.model.named_parameters():
+        if is_attn_res_param(name):
+            moved.append(not torch.equal(p, torch.zeros_like(p) if name.endswith("_res_proj.weight") else torch.ones_like(p)))
+        else:
+            assert not p.requires_grad and torch.equal(p.detach(), original[name]), name
+    assert sum(moved) > len(moved) // 2  # every point's parameters but layer 0's attention side get gradients
+    assert val_losses(result.run_dir)[4] < val_losses(result.run_dir)[0]
+
+
+def test_a_continued_run_resumes_bit_identical_and_saves_its_final_folder(tmp_path, llama):
+    whole = train(continued(tmp_path, llama, name="whole"))
+    train(continued(tmp_path, llama, name="stopped", stop_after=2, checkpoint_interval=2))
+    resumed = train(continued(tmp_path, llama, name="stopped", resume=True, checkpoint_interval=2))
+    for (name, a), (_, b) in zip(whole.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="train.init_from"):  # the source is part of what the run is
+        train(continued(tmp_path, tmp_path / "whole" / "final", name="stopped", resume=True, checkpoint_interval=2))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "final").eval()
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, whole.model.eval()(ids).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(layers=3), "layers: the model and its tokenizer come from init_from"),
+    (dict(dim=32, base="qwen3"), "base, dim: the model"),
+    (dict(tokenizer="gpt2"), "tokenizer: the model"),
+    (dict(residual="standard", freeze_base=True), "freeze_base: expected residual 'block' or 'full'"),
+    (dict(init_from=None, freeze_base=True), "freeze_base: expected init_from too"),
+])
+def test_settings_that_conflict_with_the_folder_are_refused(tmp_path, llama, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        continued(tmp_path, llama, **overrides)
+
+
+def test_a_missing_folder_or_a_second_model_is_refused(tmp_path, llama):
+    with pytest.raises(ValueError, match="init_from: .* is not a transformers model folder"):
+        train(continued(tmp_path, tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="init_from: .*holds no tokenizer"):
+        no_tokenizer = tmp_path / "bare"
+        AutoModelForCausalLM.from_pretrained(llama).save_pretrained(no_tokenizer)
+        train(continued(tmp_path, no_tokenizer))
+    with pytest.raises(ValueError, match="give either a model or init_from"):
+        train(continued(tmp_path, llama), model=AutoModelForCausalLM.from_pretrained(llama))
+
+
+def test_cli_continues_a_folder_and_refuses_architecture_flags(tmp_path, llama, capsys):
+    out = tmp_path / "cli"
+    args = ["train", "--init-from", str(llama), "--residual", "block", "--block-size", "2", "--freeze-base",
+            "--max-bytes", "30000", "--seq-len", "16", "--batch-size", "2", "--steps", "2", "--eval-batches", "1",
+            "--out", str(out), "--threads", "1", "--no-progress"]
+    assert main(args) == 0
+    assert f"{out}: 2 steps, val loss" in capsys.readouterr().out
+    saved = json.loads((out / "config.json").read_text())["train"]
+    assert saved["init_from"] == str(llama) and saved["freeze_base"] is True
+    assert main(args + ["--overwrite", "--layers", "8"]) == 2
+    assert "layers: the model and its tokenizer come from init_from" in capsys.readouterr().err
