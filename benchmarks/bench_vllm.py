@@ -6,8 +6,9 @@ moved off their init, so the depth softmax is not uniform) and serves the three 
 attnres plugin, each in a fresh process with the engine in it, one at a time, in `--repeats` rounds of the three. Each
 serves the same greedy workload (`--requests` prompts of mixed lengths sent together, each generating `--max-tokens`
 tokens) once untimed and `--runs` times timed. Kept per run: output tokens per second of wall time, and per CPU second
-of the serving process (steadier on a shared machine); reported: medians, and the median of the run-by-run ratios
-AttnRes / original within rounds.
+of the serving process (steadier on a shared machine); reported: medians, the median of the run-by-run ratios
+AttnRes / original within rounds, and, from one more run under cProfile, the share of the serving time spent in the
+AttnRes residual path (attnres code and its CPU kernels).
 
     $ATTNRES_VLLM_PYTHON benchmarks/bench_vllm.py --out docs/bench_vllm.json           # CPU, fp32, eager
     python benchmarks/bench_vllm.py --dtype bfloat16 --compiled --out vllm_gpu.json      # GPU, the `vllm` package
@@ -16,9 +17,11 @@ AttnRes / original within rounds.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import platform
+import pstats
 import statistics
 import subprocess
 import sys
@@ -117,7 +120,19 @@ def serve(folder: str, spec_path: str) -> None:
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         runs.append(dict(wall=tokens / wall, cpu=tokens / cpu))
-    print("RESULT " + json.dumps(runs), flush=True)
+    profile = cProfile.Profile()
+    profile.runcall(llm.generate, prompts, params, use_tqdm=False)
+    print("RESULT " + json.dumps(dict(runs=runs, attnres_share=attnres_share(profile))), flush=True)
+
+
+def attnres_share(profile: cProfile.Profile) -> float:
+    """The share of a profiled run's time spent in attnres code and its CPU kernels (the AttnRes residual path; the
+    plugin's own forward loop, which only calls the family's modules, counts as vLLM's)."""
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, primitive calls, own time, cumulative, callers)
+    total = sum(entry[2] for entry in stats.values())
+    ours = sum(entry[2] for (file, _, name), entry in stats.items()
+               if ("/attnres/" in file and "/attnres/serving/" not in file) or "attnres_cpu" in name)
+    return ours / total
 
 
 def measure(args: argparse.Namespace, folders: dict[str, Path], root: Path) -> dict[str, dict[str, list[float]]]:
@@ -127,17 +142,19 @@ def measure(args: argparse.Namespace, folders: dict[str, Path], root: Path) -> d
     spec.write_text(json.dumps(dict(engine=engine_args(args), prompts=workload(args), max_tokens=args.max_tokens,
                                     runs=args.runs)))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine in the process whose CPU time is read
-    runs = {kind: {"wall": [], "cpu": []} for kind in KINDS}
+    runs = {kind: {"wall": [], "cpu": [], "attnres_share": []} for kind in KINDS}
     for repeat in range(args.repeats):
-        for kind in KINDS:
+        for kind in KINDS[repeat % 3:] + KINDS[:repeat % 3]:  # each model first in some round
             proc = subprocess.run([sys.executable, __file__, "--serve", str(folders[kind]), str(spec)],
                                   capture_output=True, text=True, env=env)
             line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
             if proc.returncode or line is None:
                 sys.exit(f"bench_vllm: serving {kind} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-            for run in json.loads(line[len("RESULT "):]):
+            result = json.loads(line[len("RESULT "):])
+            for run in result["runs"]:
                 for key in ("wall", "cpu"):
                     runs[kind][key].append(run[key])
+            runs[kind]["attnres_share"].append(result["attnres_share"])
             print(f"round {repeat + 1}/{args.repeats} {kind}: {runs[kind]['wall'][-args.runs:]} tokens/s", flush=True)
     return runs
 
@@ -160,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import vllm
 
-    median = {kind: {k: statistics.median(v) for k, v in r.items()} for kind, r in runs.items()}
+    median = {kind: {k: statistics.median(r[k]) for k in ("wall", "cpu")} for kind, r in runs.items()}
     # run by run within a round, then the median: a round's three processes share the machine's load of the moment
     ratios = {
         kind: {k: statistics.median(a / b for a, b in zip(runs[kind][k], runs["original"][k])) for k in ("wall", "cpu")}
@@ -175,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
                          machine=platform.machine(), cpus=os.cpu_count(),
                          omp_num_threads=os.environ.get("OMP_NUM_THREADS")),
         load_average_1min=os.getloadavg()[0],
+        attnres_share_of_time={kind: statistics.median(r["attnres_share"]) for kind, r in runs.items()},
         output_tokens_per_s={kind: r["wall"] for kind, r in runs.items()},
         output_tokens_per_cpu_s={kind: r["cpu"] for kind, r in runs.items()},
         median=median,
