@@ -21,20 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import socket
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnres.atomic import atomic_write_text
 from attnres.bench.models import add_model_args
+from benchmarks.gloo_ranks import run_on_gloo_ranks
 
 MIB = 2**20
 MODES = ("ddp", "fsdp_root", "fsdp_per_layer", "pipeline")
@@ -130,40 +126,25 @@ def _step(args, mode: str, trained, rank: int) -> None:
         trained(input_ids=rows, labels=rows).loss.backward()
 
 
-def _worker(rank: int, args, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(RANKS))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    try:
-        out = {}
-        for mode in MODES:
-            model, trained, optimizer = _build(args, mode)
-            for step in range(2):
-                probe = ParamGradOptBytes(model, optimizer)
-                with probe:
-                    _step(args, mode, trained, rank)
-                    optimizer.step()
-                probe.sample()
-                optimizer.zero_grad(set_to_none=True)
-            out[mode] = {**probe.peak, "model_params": sum(p.numel() for p in model.parameters())}
-            del model, trained, optimizer
-        results[rank] = out
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _per_rank(rank: int, args) -> dict:
+    out = {}
+    for mode in MODES:
+        model, trained, optimizer = _build(args, mode)
+        for step in range(2):
+            probe = ParamGradOptBytes(model, optimizer)
+            with probe:
+                _step(args, mode, trained, rank)
+                optimizer.step()
+            probe.sample()
+            optimizer.zero_grad(set_to_none=True)
+        out[mode] = {**probe.peak, "model_params": sum(p.numel() for p in model.parameters())}
+        del model, trained, optimizer
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_worker, args=(args, _free_port(), results), nprocs=RANKS)
-        per_rank = [results[r] for r in range(RANKS)]
+    per_rank = run_on_gloo_ranks(_per_rank, RANKS, args)
     ddp = [r["ddp"]["total"] for r in per_rank]
     print(f"d={args.dim}, {args.layers} layers, vocabulary {args.vocab}, {RANKS} gloo ranks; per-rank peak MiB")
     print(f"{'mode':<16} {'rank':>4} {'total':>9} {'params':>9} {'grads':>9} {'optim':>9} {'vs ddp':>7}")

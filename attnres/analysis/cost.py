@@ -48,3 +48,21 @@ def residual_cost(
         traffic_block_two_phase=n_blocks / per_block + 5.0,
         traffic_full_two_phase=float(per_block + n_blocks),
     )
+
+
+def tp_layer_bytes(rows: int, tokens: int, hidden_size: int, element_size: int, tp: int) -> float:
+    """Bytes one rank hands to the tensor + sequence parallel collectives of one decoder layer in a training step
+    (forward and backward), for `rows` sequences of `tokens` over `tp` ranks: per sublayer, forward, an all-gather of
+    its normed input (this rank's tokens, rows * T / P * d) and a reduce-scatter of its output (the whole sequence,
+    rows * T * d); backward, the same two in reverse. So 4 * rows * T * d * e * (1 + 1 / P) a layer."""
+    return 4 * rows * tokens * hidden_size * element_size * (1 + 1 / tp)
+
+
+def hop_bytes_per_microbatch(residual: str, num_layers: int, pp: int, virtual_stages: int, block_size: int,
+                             micro_batch: int, tokens: int, hidden_size: int, element_size: int) -> list[int]:
+    """Bytes each pipeline hop sends per microbatch (`attnres.distributed.pipeline.hop_bytes`): the residual state
+    after the stage, less the rows the receiver kept (cross-stage caching)."""
+    from attnres.distributed.pipeline import PipelinePlan, hop_bytes
+
+    plan = PipelinePlan(residual, num_layers, pp, virtual_stages, block_size)
+    return hop_bytes(plan, micro_batch, tokens, hidden_size, element_size)

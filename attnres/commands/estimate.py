@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from attnres.analysis.cost import DTYPE_BYTES, residual_cost
+from attnres.analysis.cost import DTYPE_BYTES, hop_bytes_per_microbatch, residual_cost, tp_layer_bytes
 
 
 def register(sub) -> None:
@@ -19,6 +19,14 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES), help="bank dtype (default: bf16)")
     p.add_argument("--ranks", type=int, default=1, help="ranks sharing the tokens (default: 1)")
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk in tokens (default: no chunking)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="training with tensor + sequence parallel over this many ranks: the bytes its collectives take "
+                   "per decoder layer and step (default: 1, none)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="training with this many pipeline stages: the bytes each hop sends per microbatch "
+                   "(default: 1, none)")
+    p.add_argument("--micro-batch", type=int, default=1,
+                   help="sequences per microbatch (pipeline) or per tensor-parallel group (default: 1)")
     p.set_defaults(func=run)
 
 
@@ -37,4 +45,18 @@ def run(args) -> int:
     print(f"  standard residual     {cost.traffic_standard:.2f} d")
     print(f"  Block, two-phase      {cost.traffic_block_two_phase:.2f} d")
     print(f"  Full, two-phase       {cost.traffic_full_two_phase:.2f} d")
+    e = DTYPE_BYTES[args.dtype]
+    if args.tp > 1:
+        per_layer = tp_layer_bytes(args.micro_batch, args.tokens, args.hidden, e, args.tp)
+        print(f"Tensor + sequence parallel over {args.tp} ranks, {args.micro_batch} sequence(s) of {args.tokens} tokens:")
+        print(f"  collectives of one decoder layer, one training step, per rank: {_mib(per_layer)}")
+        print(f"  all {args.layers} decoder layers: {_mib(per_layer * args.layers)}")
+    if args.pp > 1:
+        if args.layers % args.pp:
+            raise ValueError(f"pp: {args.pp} stages must divide layers={args.layers}")
+        hops = hop_bytes_per_microbatch("block", args.layers, args.pp, 1, args.block_size, args.micro_batch,
+                                        args.tokens, args.hidden, e)
+        print(f"Pipeline of {args.pp} stages, microbatch of {args.micro_batch} sequence(s) of {args.tokens} tokens "
+              f"(Block; each rank's tokens under tensor parallel: pass --tokens T/tp):")
+        print("  bytes each hop sends per microbatch: " + ", ".join(_mib(b) for b in hops))
     return 0

@@ -34,3 +34,16 @@ def test_bad_settings_are_named(kwargs, name):
 def test_estimate_command_prints_the_bank(capsys):
     assert main(["estimate", "--tokens", "8192", "--layers", "64", "--block-size", "8", "--hidden", "7168"]) == 0
     assert "896.0 MiB" in capsys.readouterr().out
+
+
+def test_estimate_predicts_tensor_parallel_and_pipeline_traffic(capsys):
+    """What benchmarks/mesh_memory.py measures against (docs/mesh_memory.json: measured / predicted = 1.000):
+    4 * rows * T * d * e * (1 + 1/P) a decoder layer under TP; the state after a stage, per pipeline hop."""
+    assert main(["estimate", "--tokens", "1024", "--layers", "8", "--block-size", "2", "--hidden", "512",
+                 "--dtype", "fp32", "--tp", "2", "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"per rank: {4 * 1024 * 512 * 4 * 1.5 / 2**20:.1f} MiB" in out  # 12.0 MiB
+    # after 4 of 8 layers with block size 2: 2 bank rows and the prefix, 1024 tokens of 512 fp32 each
+    assert f"per microbatch: {3 * 1024 * 512 * 4 / 2**20:.1f} MiB" in out  # 6.0 MiB
+    assert main(["estimate", "--layers", "6", "--pp", "4"]) == 2  # the CLI's one-line error
+    assert "pp: 4 stages must divide layers=6" in capsys.readouterr().err
