@@ -2,7 +2,10 @@
 (docs/design.md section 8).
 
 The model is cut into C = P * V chunks of equal numbers of decoder layers (P ranks, V virtual stages each; chunk c
-runs on rank c mod P). Chunk 0 owns the embedding; the last chunk owns the final read, the final norm and the head.
+runs on rank c mod P). Chunk 0 owns the embedding; the last chunk owns the final read, the final norm and the family's
+head. A rank keeps only what its chunks run (`keep_stages`): its parameters, gradients and optimizer state are its
+stages' share of the model's. Within a stage, tensor parallel splits its layers over the stage's "tp" ranks (the
+state then travels as each rank's tokens) and FSDP2 shards each chunk over its data-parallel ranks.
 Between chunks travels the residual stream's `state()`: for Block the bank rows and the prefix (the residual add is
 already folded into the prefix: a stream's write adds at once), for Full the list of sources, for the standard
 residual the hidden sum. Rows travel stacked as one `[n, b, T, d]` tensor, the head (prefix or hidden) as
