@@ -9,7 +9,7 @@ from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-try:  # transformers >= 5.18 describes sub-configs with specs; 5.17 with one config class per key
+try:  # transformers >= 5.20 describes sub-configs with specs; 5.17-5.19 one config class per key
     from transformers.configuration_utils import SubConfigSpec
 except ImportError:
     SubConfigSpec = None
