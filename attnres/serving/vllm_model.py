@@ -29,6 +29,9 @@ _FAMILY_CLASS_ATTRIBUTES = ("hf_to_vllm_mapper", "packed_modules_mapping", "embe
 
 
 class AttnResForCausalLM(nn.Module):
+    """vLLM's model for an AttnRes folder (architecture `AttnResForCausalLM`): the family's vLLM causal LM, its
+    children adopted, its logits and weight loading as they are, the forward through the AttnRes residual."""
+
     def __init__(self, *, vllm_config, prefix: str = ""):
         from vllm.model_executor.models.registry import ModelRegistry
 
@@ -36,9 +39,7 @@ class AttnResForCausalLM(nn.Module):
         config = vllm_config.model_config.hf_config
         self.config = config
         family = family_architecture(config)
-        self._family_cls = ModelRegistry._try_load_model_cls(family)
-        if self._family_cls is None:
-            raise ValueError(f"base_model_type {config.base_model_type!r}: vLLM could not load its model {family}")
+        self._family_cls, _ = ModelRegistry.resolve_model_cls(family, vllm_config.model_config)
         # the family model reads its fields from the AttnRes config, which reads them through from text_config
         family_lm = self._family_cls(vllm_config=vllm_config, prefix=prefix)
         for name, child in family_lm.named_children():
