@@ -119,8 +119,8 @@ def run_continue(args, ledger: Ledger) -> None:
     if STEP_TIME not in ledger:
         ledger.add(STEP_TIME, measure_step_times(args))
         print(f"step time over standard: {ledger.runs[STEP_TIME]['ratio']}", flush=True)
-    for seed in args.seeds:  # seed by seed: every arm gets its first seeds first
-        for arm in [*ARMS, MATCHED]:
+    for seed in args.seeds:  # seed by seed, Block and its compute-matched standard first
+        for arm in (STANDARD, BLOCK, MATCHED, FULL, "block-frozen"):
             name = f"continue-{arm}-s{seed}"
             if name in ledger:
                 continue
@@ -173,8 +173,12 @@ def summarise(runs: dict) -> dict:
         return {s: block[s] - std[s] for s in block.keys() & std.keys()}
 
     widening = _paired(gaps_by_seed(DEPTHS[-1]), gaps_by_seed(DEPTHS[0]))
+    pretrain = runs.get("pretrain", {}).get("val_loss")
+    step0 = [r["val_curve"][0][1] - pretrain for r in runs.values() if r.get("kind") == "continue" and pretrain]
     return {
-        "pretrain_val_loss": runs.get("pretrain", {}).get("val_loss"),
+        "pretrain_val_loss": pretrain,
+        # every continuation's first evaluation against the pretrained model's last: the conversion is exact
+        "step0_minus_pretrain_max_abs": max(map(abs, step0)) if step0 else None,
         "step_time_ratio": runs.get(STEP_TIME, {}).get("ratio"),
         "continue_val_loss": {arm: {str(s): v for s, v in sorted(seeds.items())} for arm, seeds in by_arm.items()},
         "continue": arms,
