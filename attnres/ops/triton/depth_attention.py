@@ -68,6 +68,21 @@ def distinct_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -> 
     return kept
 
 
+def tiles_within(row_elements: int):
+    """An autotuner prune for a kernel that keeps several rows of a tile live: `distinct_tiles`, then only the configs
+    whose threads each hold at most `row_elements` elements of a row (past that ptxas spills the rows: kilobytes per
+    thread at d = 7168 with 4 warps); where none fits, those holding the fewest."""
+
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        kept = distinct_tiles(configs, named_args, **kwargs)
+        per_thread = {id(cfg): block_tokens({**named_args, **kwargs, **cfg.kwargs}) * kwargs["D_PAD"]
+                      // (32 * cfg.num_warps) for cfg in kept}
+        fewest = min(per_thread.values())
+        return [cfg for cfg in kept if per_thread[id(cfg)] <= max(row_elements, fewest)]
+
+    return prune
+
+
 def padded_width(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
@@ -236,7 +251,7 @@ def depth_attention_fwd_kernel(
 @triton.autotune(
     configs=tile_configs((1024, 4096), (4, 8, 16)),
     key=["D", "OUT_NORM", "HAS_GRAD_WEIGHTS", "DTYPE"],
-    prune_configs_by={"early_config_prune": distinct_tiles},
+    prune_configs_by={"early_config_prune": tiles_within(32)},  # about five rows live: dm, mix, normed, x, dx
 )
 @triton.heuristics({"BLOCK_T": block_tokens})
 @triton.jit

@@ -26,6 +26,7 @@ from attnres.ops.triton.depth_attention import (
     padded_width,
     score_source,
     tile_configs,
+    tiles_within,
 )
 
 
@@ -72,7 +73,7 @@ def merge_prefix_fwd_kernel(
 @triton.autotune(
     configs=tile_configs((1024, 4096), (4, 8, 16)),
     key=["D", "HAS_PREFIX", "OUT_NORM", "X_DTYPE"],
-    prune_configs_by={"early_config_prune": distinct_tiles},
+    prune_configs_by={"early_config_prune": tiles_within(16)},  # more rows live than the one-shot backward
 )
 @triton.heuristics({"BLOCK_T": block_tokens})
 @triton.jit
