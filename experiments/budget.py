@@ -27,14 +27,13 @@ import math
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from attnres.analysis.stats import paired_gaps
 from attnres.atomic import atomic_write_text
 from attnres.training import TrainConfig
 from attnres.training.optim import wsd_decay_start
-from experiments.study import COMMON, Ledger, progress, timed_run, verdict
+from experiments.study import COMMON, Ledger, progress, step_times, timed_run, verdict
 
 SIZES = {"L6-d64": dict(layers=6, dim=64, heads=4, block_size=2), "L12-d64": dict(layers=12, dim=64, heads=4, block_size=2)}
 WARMUP, DECAY = 100, 0.2
@@ -132,20 +131,7 @@ def measure_step_time(args, size: str, rounds: int, steps: int) -> dict:
         models[residual] = (model, build_optimizer(model, lr=config.lr, weight_decay=config.weight_decay,
                                                    attn_res_lr_mult=config.attn_res_lr_mult, attn_res_weight_decay=0.0))
 
-    def run(residual: str) -> float:
-        model, optimizer = models[residual]
-        start = time.perf_counter()
-        for _ in range(steps):
-            model(input_ids=batch, labels=batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
-
-    run("standard"), run("block")  # warm-up: first calls build and select kernels
-    times = {"standard": [], "block": []}
-    for _ in range(rounds):
-        for residual in times:
-            times[residual].append(run(residual))
+    times = step_times(models, batch, rounds, steps)
     ratios = [b / s for b, s in zip(times["block"], times["standard"])]
     return {"ratio": statistics.median(ratios), "ratios": ratios, "seconds": times, "steps_per_round": steps,
             "threads": args.threads}

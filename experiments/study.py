@@ -104,6 +104,29 @@ def timed_run(config: TrainConfig) -> dict:
     }
 
 
+def step_times(models: dict[str, tuple], batch, rounds: int, steps: int) -> dict[str, list[float]]:
+    """Seconds of `steps` training steps (forward, backward, `optimizer.step`) of each (model, optimizer) of `models`
+    on `batch`, in `rounds` rounds of each model in turn after one warm-up call each (first calls build and select
+    kernels): side by side in one process, so a shared machine's changing load reaches every model alike."""
+
+    def seconds(name: str) -> float:
+        model, optimizer = models[name]
+        start = time.perf_counter()
+        for _ in range(steps):
+            model(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    for name in models:
+        seconds(name)
+    times = {name: [] for name in models}
+    for _ in range(rounds):
+        for name in times:
+            times[name].append(seconds(name))
+    return times
+
+
 def steps_to(curve: list[tuple[int, float]], level: float) -> int | None:
     """The first evaluated step whose validation loss is below `level` (None: never)."""
     return next((s for s, v in curve if v < level), None)

@@ -28,13 +28,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from attnres.analysis.stats import paired_gaps
 from attnres.layers.kinds import BLOCK, FULL, STANDARD
 from attnres.training import TrainConfig
-from experiments.study import COMMON, Ledger, progress, timed_run, verdict
+from experiments.study import COMMON, Ledger, progress, step_times, timed_run, verdict
 
 PRETRAIN = dict(layers=12, dim=64, heads=4, residual=STANDARD, steps=400, warmup=40)
 CONTINUE = dict(lr=1e-3, warmup=20, block_size=2)
@@ -86,22 +85,7 @@ def measure_step_times(args, rounds: int = 5, steps: int = 3) -> dict:
         models[arm] = model, build_optimizer(model, lr=config.lr, weight_decay=config.weight_decay,
                                              attn_res_lr_mult=config.attn_res_lr_mult, attn_res_weight_decay=0.0)
     batch = torch.randint(0, 256, (COMMON["batch_size"], COMMON["seq_len"]))
-
-    def seconds(arm: str) -> float:
-        model, optimizer = models[arm]
-        start = time.perf_counter()
-        for _ in range(steps):
-            model(input_ids=batch, labels=batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
-
-    for arm in models:  # warm-up: first calls build and select kernels
-        seconds(arm)
-    times = {arm: [] for arm in models}
-    for _ in range(rounds):
-        for arm in times:
-            times[arm].append(seconds(arm))
+    times = step_times(models, batch, rounds, steps)
     ratios = {arm: [t / s for t, s in zip(times[arm], times[STANDARD])] for arm in times if arm != STANDARD}
     return {"kind": STEP_TIME, "ratio": {arm: statistics.median(r) for arm, r in ratios.items()}, "ratios": ratios,
             "seconds": times, "steps_per_round": steps, "threads": args.threads}
@@ -217,7 +201,7 @@ def draw(runs: dict, path: Path) -> Path:
         if xlabel:
             axis.set_xlabel(xlabel)
     ax.set_xticks(range(len(rows)), [name for name, _ in rows], fontsize=8)
-    ax.set_ylabel("minus continued standard (nats/byte)")
+    ax.set_ylabel("arm minus continued standard (nats/byte)")
     ax.set_title(f"continued from a pretrained L{PRETRAIN['layers']}-d{PRETRAIN['dim']} standard model", fontsize=9)
     bx.set_xscale("log", base=2)
     bx.set_xticks(DEPTHS, [str(d) for d in DEPTHS])

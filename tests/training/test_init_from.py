@@ -11,6 +11,7 @@ from attnres.cli import main
 from attnres.tokenization import byte_tokenizer
 from attnres.training import ByteTokenizer, TrainConfig, eval_batches, read_corpus, read_log, tokenize_and_split, train
 from attnres.training.optim import is_attn_res_param
+from tests.training.test_loop import restore_threads  # noqa: F401 - `threads` is process-wide: give it back after
 
 DATA = dict(data="stdlib", max_bytes=30_000, seq_len=16, batch_size=2, eval_batches=2)
 FAMILIES = {  # tiny family configs whose weights are drawn wide (std 0.3), so the source is far from a uniform guess
@@ -23,13 +24,6 @@ def continued(tmp_path, source, name="run", **overrides) -> TrainConfig:
     settings = dict(DATA, init_from=str(source), residual="block", block_size=1, steps=4, warmup=1, eval_interval=2,
                     log_interval=1, checkpoint_interval=100, out=str(tmp_path / name), progress=False, threads=1)
     return TrainConfig(**{**settings, **overrides})
-
-
-@pytest.fixture(autouse=True, scope="module")
-def restore_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def family_folder(folder, family: str):
