@@ -46,10 +46,7 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], None]) -> 
     tmp.mkdir(parents=True)
     try:
         write(tmp)
-        for file in tmp.rglob("*"):
-            if file.is_file():
-                _fsync(file)
-        _fsync_dir(tmp)
+        fsync_tree(tmp)
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
@@ -62,6 +59,20 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], None]) -> 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def fsync_tree(folder: Path) -> None:
+    """Make every file under `folder`, and the folder's entries, durable (before it is renamed into place)."""
+    for file in folder.rglob("*"):
+        if file.is_file():
+            _fsync(file)
+    _fsync_dir(folder)
+
+
+def replace_durably(src: Path, dst: Path) -> None:
+    """`os.replace(src, dst)`, made durable in `dst`'s folder."""
+    os.replace(src, dst)
+    _fsync_dir(dst.parent)
 
 
 def _fsync(path: Path) -> None:

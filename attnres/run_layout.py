@@ -18,6 +18,7 @@ CHECKPOINTS = "checkpoints"
 FINAL = "final"
 MODEL_FILE = "model.safetensors"  # a checkpoint's weights
 STATE_FILE = "state.pt"  # a checkpoint's optimizer, step, sampler and RNG states
+SHARDED_DIR = "sharded"  # a distributed run's checkpoint: its weights and optimizer state as the ranks held them
 _PREFIX = "step-"
 
 

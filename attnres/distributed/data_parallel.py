@@ -136,30 +136,30 @@ def shard_chunk(chunk: nn.Module, mesh: DeviceMesh, per_layer: bool = True) -> N
     fully_shard(chunk, mesh=mesh)
 
 
-def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> tuple[object, dict]:
-    """(what `save_checkpoint` saves the weights of, the optimizer's state dict), both whole on rank 0.
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state dict keyed by parameter name (`torch.distributed.checkpoint.state_dict`, full tensors on
+    the CPU), so that a run resumes on another mesh whatever held which parameter."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    The optimizer state is keyed by parameter name (`torch.distributed.checkpoint.state_dict`), so that a run resumes
-    on another mesh (or one process) whatever held which parameter. With `sharded` parameters (DTensors: FSDP2,
-    tensor parallel) this gathers the shards (a collective: every rank calls it) into full CPU tensors.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return collective(lambda: get_optimizer_state_dict(model, optimizer, options=options), "gathering the optimizer")
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole weights of a model whose parameters are DTensors (FSDP2, tensor parallel), gathered into CPU
+    tensors on rank 0 (a collective: every rank calls it; the others get an empty dict). A tied parameter is kept
+    once, by the name `named_parameters` gives it; each tensor has its own storage."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = collective(lambda: get_model_state_dict(model, options=options), "gathering the weights")
-    optim = collective(lambda: get_optimizer_state_dict(model, optimizer, options=options), "gathering the optimizer")
-    return (_Weights(_own_storage(model, weights)) if sharded else model), optim
-
-
-def _own_storage(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Own storage per tensor (gathered ones are views of one buffer); a tied parameter once, by name."""
     kept = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
     aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - kept
     return {k: v.clone() for k, v in weights.items() if k not in aliases}
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Load what `checkpoint_state` saved (every rank reads the same full state and keeps the part of its own
+    """Load what `optimizer_state` saved (every rank reads the same full state and keeps the part of its own
     parameters: its shards, or a pipeline stage's parameters)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -168,16 +168,6 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
            "param_groups": [{**group, "params": [k for k in group["params"] if k in names]}
                             for group in state["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, own, options=StateDictOptions(full_state_dict=True))
-
-
-class _Weights:
-    """Full weights gathered from the shards, in the shape `safetensors.torch.save_model` reads: `.state_dict()`."""
-
-    def __init__(self, weights: dict[str, torch.Tensor]):
-        self.weights = weights
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.weights
 
 
 def local_rows(batch: torch.Tensor, index: int, count: int) -> torch.Tensor:

@@ -28,7 +28,9 @@ from attnres.distributed.data_parallel import (
     on_main,
 )
 from attnres.distributed.mesh import build_mesh, memory_line
-from attnres.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from attnres.training.checkpoint import (
+    latest_checkpoint, load_checkpoint, load_sharded_optimizer, save_checkpoint, save_sharded_checkpoint,
+)
 from attnres.training.config import TrainConfig
 from attnres.training.data import WindowSampler, check_fits, eval_batches, load_tokenizer, read_corpus, tokenize_and_split
 from attnres.training.init_from import load_init_from
@@ -170,9 +172,12 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
     autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
     log = RunLog(run_dir) if ranks.is_main else _NoLog()
 
-    step, weights = 0, None
+    step = 0
     if state is not None:
-        steps.load_optimizer_state(optimizer, state["optimizer"])
+        if "optimizer" in state:
+            steps.load_optimizer_state(optimizer, state["optimizer"])
+        else:  # a distributed run's sharded checkpoint: whatever this rank now holds of it
+            load_sharded_optimizer(last, model, optimizer)
         sampler.load_state_dict(state["sampler"])
         _set_rng_state(state["rng"])
         step = state["step"]
@@ -224,17 +229,19 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
                 postfix["val"] = f"{val_history[-1][1]:.3f}"
             if step % config.checkpoint_interval == 0 or step == end:
                 _check_finite_weights(model, step, latest_checkpoint(checkpoints))  # only good weights are saved
-                weights, optimizer_state = steps.checkpoint_state(optimizer)  # fsdp, pipeline: gathered
-                state = {"optimizer": optimizer_state, "sampler": sampler.state_dict(), "rng": _rng_state()}
-                on_main(lambda: save_checkpoint(checkpoints, step, weights, state, keep=config.keep_checkpoints), ranks)
+                state = {"sampler": sampler.state_dict(), "rng": _rng_state()}
+                if ranks.distributed:  # each rank saves what it holds: nothing is gathered
+                    save_sharded_checkpoint(checkpoints, step, model, optimizer, state, config.keep_checkpoints, ranks)
+                else:
+                    state["optimizer"] = steps.optimizer_state(optimizer)
+                    save_checkpoint(checkpoints, step, model, state, keep=config.keep_checkpoints)
             bar.set_postfix(postfix, refresh=False)
             bar.update(1)
     finally:
         bar.close()
     if step == config.steps and hasattr(model, "save_pretrained"):  # complete: model and tokenizer as final/
-        if weights is None:  # a finished run resumed: this invocation ran no step
-            weights = steps.checkpoint_state(optimizer)[0]
-        full = None if isinstance(weights, nn.Module) else weights.state_dict()  # fsdp: gathered on rank 0
+        weights = steps.final_weights()  # sharded, staged: gathered whole on rank 0
+        full = None if weights is model else weights
         on_main(lambda: save_final(run_dir, model, tokenizer, config.seq_len, state_dict=full), ranks)
     barrier(ranks, "finishing")  # the last checkpoint and final/ are complete before any rank returns
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from attnres.atomic import atomic_write_dir, atomic_write_text
 from attnres.run_layout import (
-    CHECKPOINTS, CONFIG_FILE, FINAL, LOG_FILE, MODEL_FILE, STATE_FILE, checkpoint_name, checkpoint_step,
+    CHECKPOINTS, CONFIG_FILE, FINAL, LOG_FILE, MODEL_FILE, SHARDED_DIR, STATE_FILE, checkpoint_name, checkpoint_step,
     latest_checkpoint,
 )
 from attnres.training.checkpoint import load_checkpoint
@@ -102,7 +102,8 @@ def branch_source(config: TrainConfig, run_info: dict) -> Path:
     """
     path = Path(config.branch_from)
     source_file = path.parent.parent / CONFIG_FILE
-    if not all((path / name).is_file() for name in (MODEL_FILE, STATE_FILE)) or not source_file.is_file():
+    weights = (path / MODEL_FILE).is_file() or (path / SHARDED_DIR).is_dir()  # one process's, or a mesh's
+    if not (weights and (path / STATE_FILE).is_file() and source_file.is_file()):
         raise ValueError(f"branch_from: expected a checkpoint folder RUN/{CHECKPOINTS}/step-NNNNNN of a run, got {path}")
     source = json.loads(source_file.read_text(encoding="utf-8"))
     mine, theirs = run_info["train"], source["train"]

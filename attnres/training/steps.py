@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from attnres.distributed.data_parallel import (
-    RankFailed, Ranks, _Weights, apply_ddp, apply_fsdp, checkpoint_state, collective, gather_on_main,
-    is_collective_error, load_optimizer_state, local_rows, lost_rank_message, mean_over_ranks,
+    RankFailed, Ranks, apply_ddp, apply_fsdp, collective, full_weights, gather_on_main, is_collective_error,
+    load_optimizer_state, local_rows, lost_rank_message, mean_over_ranks, optimizer_state,
 )
 from attnres.distributed.mesh import ParallelDims, dp_mesh, dp_rank
 from attnres.distributed.pipeline import PipelineTrainer, check_pipeline
@@ -59,8 +59,13 @@ class MeshSteps:
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         return mean_over_ranks(loss, self.ranks), norm.item()
 
-    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> tuple[object, dict]:
-        return checkpoint_state(self.model, optimizer, self.sharded)
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """A one-process checkpoint's optimizer state, keyed by parameter name."""
+        return optimizer_state(self.model, optimizer)
+
+    def final_weights(self) -> nn.Module | dict[str, torch.Tensor]:
+        """What `final/` saves: the model itself, or its sharded weights gathered whole on rank 0."""
+        return full_weights(self.model) if self.sharded else self.model
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         load_optimizer_state(self.model, optimizer, state)
@@ -99,26 +104,15 @@ class PipelineSteps:
         self.model.train()
         return mean_over_ranks(torch.tensor(sum(losses) / len(losses)), self.ranks)
 
-    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> tuple[object, dict]:
-        """The whole weights and optimizer state on rank 0: each stage's, gathered over its data-parallel ranks,
-        then from every stage."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-        )
+    def final_weights(self) -> dict[str, torch.Tensor]:
+        """The whole weights on rank 0 (an empty dict elsewhere): each stage's, gathered over its data-parallel and
+        tensor-parallel ranks, then from every stage."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True)  # whole on every rank of the stage, not only global rank 0
         weights = collective(lambda: get_model_state_dict(self.model, options=options), "gathering the weights")
-        optim = collective(lambda: get_optimizer_state_dict(self.model, optimizer, options=options),
-                           "gathering the optimizer")
-        mine = (_to_cpu(weights), {"state": {k: _to_cpu(v) for k, v in optim["state"].items()},
-                                   "param_groups": optim["param_groups"]})
-        stages = gather_on_main(mine, self.ranks)
-        if not self.ranks.is_main:
-            return _Weights({}), {}
-        merged_groups = [{**group, "params": sorted({k for _, o in stages for k in o["param_groups"][g]["params"]})}
-                         for g, group in enumerate(optim["param_groups"])]
-        return (_Weights({k: v for w, _ in stages for k, v in w.items()}),
-                {"state": {k: v for _, o in stages for k, v in o["state"].items()}, "param_groups": merged_groups})
+        stages = gather_on_main(_to_cpu(weights), self.ranks)
+        return {k: v for stage in stages for k, v in stage.items()}
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         load_optimizer_state(self.model, optimizer, state)

@@ -28,6 +28,7 @@ MESHES = {
 MODEL_FIELDS = ("residual", "base", "base_config")
 STEPS, STOP = 8, 6  # the resharded run: stopped at step 6 on one mesh, resumed on another
 RESHARDED = "dp_shard 2 x tp 2, resumed as pp 2 x dp_shard 2"
+STOPPED = "pp 2 x tp 2, stopped"  # resumed by one process
 
 
 def _mesh_runs(rank: int, tmp: str) -> None:
@@ -36,6 +37,7 @@ def _mesh_runs(rank: int, tmp: str) -> None:
     out = f"{tmp}/{RESHARDED}"
     train(tiny(out, **SIZES, steps=STEPS, stop_after=STOP, **MESHES["dp_shard 2 x tp 2"]))
     train(tiny(out, **SIZES, steps=STEPS, resume=True, **MESHES["pp 2 x dp_shard 2"]))
+    train(tiny(f"{tmp}/{STOPPED}", **SIZES, steps=STEPS, stop_after=STOP, **MESHES["pp 2 x tp 2"]))
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +83,17 @@ def test_each_composition_follows_one_process(four_ranks, tmp_path, mesh):
 
 
 def test_a_run_resumes_on_another_mesh(four_ranks, tmp_path):
+    """Each rank saved what it held (torch.distributed.checkpoint); the run resumed on another mesh, or in one
+    process, follows one process's curve."""
     reference = train(tiny(tmp_path / "one", **SIZES, steps=STEPS))
-    one, resharded = _curve(reference.run_dir), _curve(four_ranks / RESHARDED)
-    assert [c[:2] for c in resharded] == [c[:2] for c in one]
-    torch.testing.assert_close([c[2] for c in resharded], [c[2] for c in one], rtol=0, atol=1e-4)
+    stopped = four_ranks / STOPPED / "checkpoints" / f"step-{STOP:06d}"
+    assert sorted(p.name for p in stopped.iterdir()) == ["sharded", "state.pt"]  # no weights gathered on rank 0
+    alone = train(tiny(four_ranks / STOPPED, **SIZES, steps=STEPS, resume=True))
+    one = _curve(reference.run_dir)
+    for run_dir in (four_ranks / RESHARDED, alone.run_dir):
+        resumed = _curve(run_dir)
+        assert [c[:2] for c in resumed] == [c[:2] for c in one]
+        torch.testing.assert_close([c[2] for c in resumed], [c[2] for c in one], rtol=0, atol=1e-4)
     assert sorted({r["rank"] for r in read_log(four_ranks / RESHARDED, "memory")}) == [0, 1, 2, 3]
 
 
