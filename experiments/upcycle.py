@@ -142,10 +142,13 @@ def summarise(runs: dict) -> dict:
         elif r.get("kind") == "depth":
             by_depth.setdefault((r["layers"], r["residual"]), {})[r["seed"]] = r["val_loss"]
     standard = by_arm.get(STANDARD, {})
+    pretrain = runs.get("pretrain", {}).get("val_loss")
     arms = []
-    for arm in [a for a in (*ARMS, MATCHED) if a != STANDARD]:
+    for arm in [a for a in ARMS if a != STANDARD]:
         gap = _paired(by_arm.get(arm, {}), standard)
-        arms.append({"arm": arm, "gap_to_standard": gap, "verdict": verdict(gap)})
+        arms.append({"arm": arm, "gap_to_standard": gap, "verdict": verdict(gap),
+                     "minus_pretrained": paired_gaps([v - pretrain for v in by_arm.get(arm, {}).values()])
+                     if pretrain else None})
     matched = _paired(by_arm.get(BLOCK, {}), by_arm.get(MATCHED, {}))
     depth = []
     for layers in DEPTHS:
@@ -157,7 +160,6 @@ def summarise(runs: dict) -> dict:
         return {s: block[s] - std[s] for s in block.keys() & std.keys()}
 
     widening = _paired(gaps_by_seed(DEPTHS[-1]), gaps_by_seed(DEPTHS[0]))
-    pretrain = runs.get("pretrain", {}).get("val_loss")
     step0 = [r["val_curve"][0][1] - pretrain for r in runs.values() if r.get("kind") == "continue" and pretrain]
     return {
         "pretrain_val_loss": pretrain,
@@ -166,7 +168,8 @@ def summarise(runs: dict) -> dict:
         "step_time_ratio": runs.get(STEP_TIME, {}).get("ratio"),
         "continue_val_loss": {arm: {str(s): v for s, v in sorted(seeds.items())} for arm, seeds in by_arm.items()},
         "continue": arms,
-        "compute_matched": {"what": f"{BLOCK} minus {MATCHED}", "gap": matched, "verdict": verdict(matched)},
+        "compute_matched": {"what": f"{BLOCK} minus {MATCHED}", "gap": matched, "verdict": verdict(matched),
+                            "standard_steps": next((r["steps"] for r in runs.values() if r.get("arm") == MATCHED), None)},
         "depth_val_loss": {f"L{layers}-{res}": {str(s): v for s, v in sorted(seeds.items())}
                            for (layers, res), seeds in sorted(by_depth.items())},
         "depth": depth,
