@@ -1,8 +1,10 @@
-"""The oldest versions the project supports, which the GPU machine runs: triton 3.6.0 and transformers 5.17.0.
+"""The versions the GPU machine runs: triton 3.6.0 and transformers 5.17.0 (older than the 5.24 attnres requires:
+`benchmarks/gpu_check.sh` carries 5.24, and falls back to 5.17 when that fails to import).
 
-A second interpreter (ATTNRES_MIN_VERSIONS_PYTHON, a venv that .ci/min_versions_env.sh builds on top of the
+A second interpreter (ATTNRES_MIN_VERSIONS_PYTHON, a venv that `source .ci/min_versions_env.sh` builds on top of the
 project's environment) runs the model configuration and modeling tests and the ahead-of-time GPU compile of every
-Triton kernel for sm_90 there. Under CI (CI=true) a missing interpreter fails; elsewhere the tests skip.
+Triton kernel for sm_90 there. Not part of CI: with a cold Triton cache its compile alone takes minutes that the CI
+budget does not have. Without the interpreter these tests skip, saying so.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ VERSIONS = {"triton": "3.6.0", "transformers": "5.17.0"}
 def python() -> str:
     path = os.environ.get(PYTHON_ENV)
     if not path:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{PYTHON_ENV} is not set: .ci/run builds the venv with .ci/min_versions_env.sh")
         pytest.skip(f"{PYTHON_ENV} not set (source .ci/min_versions_env.sh to build the venv)")
     if not Path(path).exists():
         pytest.fail(f"{PYTHON_ENV}={path}: no such interpreter")
