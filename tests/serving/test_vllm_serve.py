@@ -70,10 +70,7 @@ def server(vllm_python, tmp_path_factory):
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "128",
         "--max-num-seqs", "32", "--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(64 << 20),
     ]
-    env = {**vllm_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # as deployed: the engine in a process of its own
-           # vLLM force-kills a worker not gone 5 s after SIGTERM (its default), and its output handler then logs a
-           # traceback; a worker on 2 busy cores can take longer. Within SHUTDOWN_TIMEOUT still.
-           "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "20"}
+    env = {**vllm_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # as deployed: the engine in a process of its own
     # a session of its own: a failed test kills the server's engine processes with it
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
