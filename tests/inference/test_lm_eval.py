@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import attnres
 from attnres.tokenization import byte_tokenizer
 
-lm_eval = pytest.importorskip("lm_eval", reason="needs EleutherAI's lm-evaluation-harness (pip install lm-eval)")
+import lm_eval
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 

@@ -19,7 +19,6 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("triton")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402

@@ -17,7 +17,6 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("triton")
 
 from attnres.ops import bank as bank_ops  # noqa: E402
 from attnres.ops.backends import _triton_backend  # noqa: E402
