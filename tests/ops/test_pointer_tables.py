@@ -3,7 +3,6 @@ let go (its replays read it): the cache logic, with stand-in tables (no GPU here
 
 from __future__ import annotations
 
-import pytest
 
 import triton  # noqa: F401 - a dev dependency: missing, the tests error
 
