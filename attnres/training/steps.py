@@ -3,9 +3,9 @@ and the whole weights and optimizer state when the loop evaluates or saves.
 
 Without pipeline stages (`MeshSteps`): tensor + sequence parallel over "tp" (`attnres.distributed.tensor_parallel`),
 then FSDP2 over the data-parallel dimensions (`attnres.distributed.data_parallel`); each data-parallel rank runs its
-rows of the batch. Pipeline (`attnres.distributed.pipeline`): every rank takes the whole batch, in microbatches, and
-runs its chunks of decoder layers; it holds the gradients and the optimizer state of its chunks' parameters only, and
-receives the others' weights before each evaluation and checkpoint.
+rows of the batch. Pipeline (`attnres.distributed.pipeline`): each rank keeps only its stages of the model and runs
+its data-parallel rows in microbatches; evaluation goes through the pipeline too, and only `final/` gathers the
+whole weights (checkpoints are sharded: `attnres.training.checkpoint`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
-
 from torch.distributed.tensor import DTensor
 
 from attnres.distributed.data_parallel import (
@@ -33,7 +32,7 @@ class MeshSteps:
     Each data-parallel rank takes its rows of the global batch; the tensor-parallel ranks of one row share them."""
 
     def __init__(self, model: nn.Module, config: TrainConfig, ranks: Ranks, dims: ParallelDims, mesh):
-        self.model, self.ranks, self.dims = model, ranks, dims
+        self.model, self.ranks = model, ranks
         self.trained = model  # what the training forward runs
         if dims.tp > 1:
             parallelize_tensor(model, mesh["tp"])
