@@ -2,9 +2,10 @@
 
 `ATTNRES_BACKEND` chooses: `auto` (default: the Triton kernels on CUDA, the compiled CPU kernel on CPU, each when
 it is available), or `torch` to force the portable torch-op path everywhere (the fallback of every backend).
-Each backend exposes functions with the contracts of the `attnres::depth_attention_fwd/bwd` and
-`attnres::depth_stats_fwd/bwd` ops; a None entry means "use the torch path" for that op. `last_backend()` names
-the one that ran last, so tests can prove routing.
+A backend supplies kernels only: each entry keeps the contract written on its op (`attnres::depth_attention_fwd/bwd`,
+`attnres::depth_stats_fwd/bwd`, `attnres::merge_prefix_fwd/bwd`, `attnres.ops.bank.bank_aggregate/bank_merge`), and
+a None entry means "use the torch path" for that op. The fused bank ops are stored behind those ops' checks.
+`last_backend()` names the one that ran last, so tests can prove routing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from attnres.ops.checks import check_bank_aggregate, check_bank_merge, validated
 
 BACKEND_ENV = "ATTNRES_BACKEND"
 BACKEND_CHOICES = ("auto", "torch")
@@ -27,7 +30,7 @@ class Backend:
     bwd: Callable | None = None
     stats_fwd: Callable | None = None
     stats_bwd: Callable | None = None
-    bank_aggregate: Callable | None = None  # the fused inference ops of attnres.ops.bank, same contracts
+    bank_aggregate: Callable | None = None  # the fused inference ops of attnres.ops.bank, checked (see validated)
     bank_merge: Callable | None = None
     merge_fwd: Callable | None = None  # phase 2 of attnres.ops.merge (`attnres::merge_prefix_fwd/bwd`)
     merge_bwd: Callable | None = None
@@ -50,7 +53,8 @@ def _cpu_backend() -> Backend | None:
     return Backend(
         "cpu", cpu.cpu_depth_attention_fwd, cpu.cpu_depth_attention_bwd,
         stats_fwd=cpu.cpu_depth_stats_fwd, stats_bwd=cpu.cpu_depth_stats_bwd,
-        bank_aggregate=cpu.cpu_bank_aggregate, bank_merge=cpu.cpu_bank_merge,
+        bank_aggregate=validated(check_bank_aggregate, cpu.cpu_bank_aggregate),
+        bank_merge=validated(check_bank_merge, cpu.cpu_bank_merge),
         # training: phase 2's backward has no CPU kernel, and its torch ops cost more than the reads two-phase saves
         # (2.6-2.8x one-shot's time in fp32, 32 layers, block size 4, T=1024, d=512: docs/bench_streams*.json).
         # Inference runs the fused CPU bank_merge and pays where two_phase_pays says (0.61-0.72x fp32, level bf16).
@@ -65,7 +69,8 @@ def _triton_backend() -> Backend | None:
         return None
     return Backend(
         "triton", k.triton_depth_attention_fwd, k.triton_depth_attention_bwd, k.triton_depth_stats_fwd,
-        k.triton_depth_stats_bwd, bank_aggregate=k.triton_bank_aggregate, bank_merge=k.triton_bank_merge,
+        k.triton_depth_stats_bwd, bank_aggregate=validated(check_bank_aggregate, k.triton_bank_aggregate),
+        bank_merge=validated(check_bank_merge, k.triton_bank_merge),
         merge_fwd=k.triton_merge_prefix_fwd, merge_bwd=k.triton_merge_prefix_bwd,
         max_d=k.MAX_D, max_rows=k.MAX_STATS_ROWS,
     )

@@ -14,8 +14,9 @@ state owns them, so no new `[N, d]` buffer is made per point.
 
 Dispatch: a backend with fused kernels for these ops (Triton on CUDA, the compiled kernel on CPU) does the whole point
 in one call; otherwise (the torch backend, fp64) the pending add and the write are torch ops and the mixing is the
-backend's one-shot forward. The fused kernels' launchers validate their arguments with the shared checks of
-`attnres.ops.checks` (`check_bank_point`, `check_bank`, `check_stats`).
+portable one-shot forward. Every implementation runs behind the same checks (`check_bank_aggregate`,
+`check_bank_merge`), applied once where it is chosen: here for the portable kernels, in `attnres.ops.backends` for a
+backend's fused ones (which an inference stream binds and calls directly).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from attnres.ops.backends import select_backend
+from attnres.ops.checks import check_bank_aggregate, check_bank_merge, validated
 from attnres.ops.depth_attention import torch_depth_attention_fwd
 from attnres.ops.merge import torch_merge_prefix_fwd
 
@@ -37,52 +39,53 @@ def _pending_add(prefix: torch.Tensor, output: torch.Tensor | None) -> None:
         prefix.add_(output)  # same rounding as `prefix + output` in the training stream
 
 
-def bank_aggregate(
-    bank: torch.Tensor,
-    nvb: int,
-    prefix: torch.Tensor,
-    output: torch.Tensor | None,
-    c: torch.Tensor,
-    out_norm_weight: torch.Tensor | None,
-    eps: float,
-    out_eps: float,
-    write: bool,
-) -> torch.Tensor:
-    """One inference aggregation point over `nvb` bank rows and the prefix `[N, d]`; returns the (normed) mixture.
-
-    With `write`, the prefix (after the pending add) becomes bank row `nvb` and the sources are rows `0..nvb`.
-    """
-    backend = select_backend(prefix)
-    if backend.bank_aggregate is not None:
-        return backend.bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write)
+def torch_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write):
+    """Portable kernel of `bank_aggregate`: the pending add and the write in torch ops, then the portable one-shot
+    forward of training (same rounding)."""
     _pending_add(prefix, output)
     if write:
         bank[:, nvb] = prefix
         sources = bank_rows(bank, nvb + 1)
     else:
         sources = [*bank_rows(bank, nvb), prefix]
-    fwd = backend.fwd or torch_depth_attention_fwd  # the training path's kernel: same rounding
-    return fwd(sources, c, out_norm_weight, eps, out_eps)[0]
+    return torch_depth_attention_fwd(sources, c, out_norm_weight, eps, out_eps)[0]
+
+
+def torch_bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps):
+    """Portable kernel of `bank_merge`: the pending add, then the portable phase 2 of training."""
+    _pending_add(prefix, output)
+    return torch_merge_prefix_fwd(m, z, u, prefix, c, out_norm_weight, eps, out_eps, prefix.dtype)
+
+
+# What a backend without fused kernels runs; a backend's own fused ops are validated the same way when it is made.
+_portable_aggregate = validated(check_bank_aggregate, torch_bank_aggregate)
+_portable_merge = validated(check_bank_merge, torch_bank_merge)
+
+
+def bank_aggregate(
+    bank: torch.Tensor, nvb: int, prefix: torch.Tensor, output: torch.Tensor | None, c: torch.Tensor,
+    out_norm_weight: torch.Tensor | None, eps: float, out_eps: float, write: bool,
+) -> torch.Tensor:
+    """One inference aggregation point over `nvb` bank rows and the prefix; returns the (normed) mixture.
+
+    bank `[N, NB, d]` and prefix `[N, d]` (any token strides, unit stride along d; fp32, bf16, fp16 or fp64), output
+    `[N, d]` or None, c `[d]` in the accumulator dtype, the optional output-norm gain `[d]`. Mutates prefix (and, with
+    `write`, bank row `nvb`: the prefix after the pending add becomes that row and the sources are rows `0..nvb`) and
+    returns the mixture `[N, d]` in the prefix's dtype, bit for bit the one-shot forward's over the same rows.
+    """
+    aggregate = select_backend(prefix).bank_aggregate or _portable_aggregate
+    return aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write)
 
 
 def bank_merge(
-    m: torch.Tensor,
-    z: torch.Tensor,
-    u: torch.Tensor,
-    prefix: torch.Tensor,
-    output: torch.Tensor | None,
-    c: torch.Tensor,
-    out_norm_weight: torch.Tensor | None,
-    eps: float,
-    out_eps: float,
+    m: torch.Tensor, z: torch.Tensor, u: torch.Tensor, prefix: torch.Tensor, output: torch.Tensor | None,
+    c: torch.Tensor, out_norm_weight: torch.Tensor | None, eps: float, out_eps: float,
 ) -> torch.Tensor:
-    """Phase 2 at inference: the bank's statistics (m, z `[N]`, u `[N, d]`) merged with the prefix after the
-    pending add; returns the (normed) mixture `[N, d]` in the prefix's dtype."""
-    fused = select_backend(prefix).bank_merge
-    if fused is not None:
-        return fused(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps)
-    _pending_add(prefix, output)
-    return torch_merge_prefix_fwd(m, z, u, prefix, c, out_norm_weight, eps, out_eps, prefix.dtype)  # training's phase 2
+    """Phase 2 at inference: the bank's phase-1 statistics (m, z `[N]`, u `[N, d]`, accumulator dtype) merged with the
+    prefix `[N, d]` (unit stride along d) after the pending add of output `[N, d]` or None, under c `[d]` and the
+    optional output-norm gain `[d]`. Mutates prefix and returns the (normed) mixture `[N, d]` in the prefix's dtype."""
+    merge = select_backend(prefix).bank_merge or _portable_merge
+    return merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps)
 
 
 # Registered as custom ops for torch.compile. Eager callers use the plain functions: the dispatch of a mutating

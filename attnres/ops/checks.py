@@ -6,7 +6,8 @@ argument and what was expected instead of a stack trace from deep inside a kerne
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -51,34 +52,38 @@ def check_sources(sources: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.
     return sources
 
 
+def _check_floating(name: str, t: object, shape: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor of shape {shape}, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on the sources' device {device}, got {t.device}")
+
+
 def check_vector(name: str, t: torch.Tensor | None, d: int, device: torch.device, allow_rows: bool = False) -> None:
     """A per-channel parameter: `[d]` (or `[1, d]` when `allow_rows`), floating, on the sources' device."""
     if t is None:
         return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor of shape [{d}], got {type(t).__name__}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
+    _check_floating(name, t, f"[{d}]")
     ok = tuple(t.shape) == (d,) or (allow_rows and tuple(t.shape) == (1, d))
     if not ok:
         want = f"[{d}] or [1, {d}]" if allow_rows else f"[{d}]"
         raise ValueError(f"{name}: expected shape {want} to match the sources' last dim d={d}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected a tensor on the sources' device {device}, got {t.device}")
+    _check_device(name, t, device)
 
 
 def check_matrix(name: str, t: torch.Tensor | None, d: int, device: torch.device) -> None:
     """A stack of per-query vectors: `[S, d]`."""
     if t is None:
         return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor of shape [S, {d}], got {type(t).__name__}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
+    _check_floating(name, t, f"[S, {d}]")
     if t.dim() != 2 or t.shape[1] != d or t.shape[0] == 0:
         raise ValueError(f"{name}: expected shape [S, {d}] with S >= 1, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected a tensor on the sources' device {device}, got {t.device}")
+    _check_device(name, t, device)
 
 
 def check_eps(name: str, eps: float) -> float:
@@ -89,15 +94,8 @@ def check_eps(name: str, eps: float) -> float:
     return float(eps)
 
 
-def check_bank_point(
-    prefix: torch.Tensor,
-    output: torch.Tensor | None,
-    c: torch.Tensor,
-    out_norm_weight: torch.Tensor | None,
-    eps: float,
-    out_eps: float,
-) -> tuple[int, int]:
-    """(N, d) of a point's prefix `[N, d]` (unit stride along d, as it is written in place), with an output of its
+def _check_bank_point(prefix, output, c, out_norm_weight, eps, out_eps) -> None:
+    """A point's prefix `[N, d]` (unit stride along d, as it is written in place), with an output of its
     shape and dtype or None, c and the output-norm gain `[d]` and positive epsilons; raises ValueError/TypeError."""
     if not isinstance(prefix, torch.Tensor) or prefix.dtype not in FLOAT_DTYPES:
         got = getattr(prefix, "dtype", type(prefix).__name__)
@@ -105,7 +103,7 @@ def check_bank_point(
     if prefix.dim() != 2 or prefix.shape[1] == 0 or (prefix.stride(1) != 1 and prefix.shape[1] != 1):
         raise ValueError(f"prefix: expected [N, d] with d >= 1 and unit stride along d, got shape "
                          f"{tuple(prefix.shape)} and strides {prefix.stride()}")
-    n, d = prefix.shape
+    d = prefix.shape[1]
     if output is not None and not (isinstance(output, torch.Tensor) and output.shape == prefix.shape
                                    and output.dtype == prefix.dtype and output.device == prefix.device):
         raise ValueError(f"output: expected None or a tensor of the prefix's shape {tuple(prefix.shape)}, dtype "
@@ -114,10 +112,9 @@ def check_bank_point(
     check_vector("out_norm_weight", out_norm_weight, d, prefix.device)
     check_eps("eps", eps)
     check_eps("out_eps", out_eps)
-    return n, d
 
 
-def check_bank(bank: torch.Tensor, nvb: int, prefix: torch.Tensor, write: bool) -> None:
+def _check_bank(bank: torch.Tensor, nvb: int, prefix: torch.Tensor, write: bool) -> None:
     """A bank `[N, NB, d]` like the prefix (unit stride along d) with nvb valid rows (and row nvb free at a write)."""
     n, d = prefix.shape
     if not (isinstance(bank, torch.Tensor) and bank.dim() == 3 and bank.shape[0] == n and bank.shape[2] == d
@@ -132,7 +129,7 @@ def check_bank(bank: torch.Tensor, nvb: int, prefix: torch.Tensor, write: bool) 
                          f"({'a write point needs row nvb' if write else 'read point'}), got {nvb}")
 
 
-def check_stats(m: torch.Tensor, z: torch.Tensor, u: torch.Tensor, prefix: torch.Tensor) -> None:
+def _check_stats(m: torch.Tensor, z: torch.Tensor, u: torch.Tensor, prefix: torch.Tensor) -> None:
     """Phase-1 statistics of the prefix's N tokens: m, z `[N]` and u `[N, d]`, floating, on the prefix's device."""
     n, d = prefix.shape
     for name, t, shape in (("m", m, (n,)), ("z", z, (n,)), ("u", u, (n, d))):
@@ -142,3 +139,57 @@ def check_stats(m: torch.Tensor, z: torch.Tensor, u: torch.Tensor, prefix: torch
         if t.shape != shape or t.device != prefix.device:
             raise ValueError(f"{name}: expected shape {list(shape)} on {prefix.device}, got {tuple(t.shape)} on "
                              f"{t.device}")
+
+
+def check_depth_attention(
+    sources: Sequence[torch.Tensor] | torch.Tensor, query, key_norm_weight, eps, out_norm_weight, out_eps
+) -> tuple[list[torch.Tensor], float, float]:
+    """The arguments of `depth_attention` (and of its twin): (the sources as a list, eps, out_eps defaulted to eps)."""
+    xs = check_sources(sources)
+    d, device = xs[0].shape[-1], xs[0].device
+    check_vector("query", query, d, device, allow_rows=True)
+    check_vector("key_norm_weight", key_norm_weight, d, device)
+    check_vector("out_norm_weight", out_norm_weight, d, device)
+    eps = check_eps("eps", eps)
+    return xs, eps, eps if out_eps is None else check_eps("out_eps", out_eps)
+
+
+def check_depth_stats(
+    sources: Sequence[torch.Tensor] | torch.Tensor, queries, key_norm_weights, eps
+) -> tuple[list[torch.Tensor], float]:
+    """The arguments of `depth_stats` (and of its twin): (the sources as a list, eps)."""
+    xs = check_sources(sources)
+    d, device = xs[0].shape[-1], xs[0].device
+    check_matrix("queries", queries, d, device)
+    check_matrix("key_norm_weights", key_norm_weights, d, device)
+    if key_norm_weights is not None and key_norm_weights.shape != queries.shape:
+        raise ValueError(
+            f"key_norm_weights: expected one gain per query, shape {tuple(queries.shape)}, "
+            f"got {tuple(key_norm_weights.shape)}"
+        )
+    return xs, check_eps("eps", eps)
+
+
+def check_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write) -> None:
+    """The arguments of `attnres.ops.bank.bank_aggregate`."""
+    _check_bank_point(prefix, output, c, out_norm_weight, eps, out_eps)
+    _check_bank(bank, nvb, prefix, write)
+
+
+def check_bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps) -> None:
+    """The arguments of `attnres.ops.bank.bank_merge`."""
+    _check_bank_point(prefix, output, c, out_norm_weight, eps, out_eps)
+    _check_stats(m, z, u, prefix)
+
+
+def validated(check: Callable, kernel: Callable) -> Callable:
+    """`kernel` behind `check` on the same arguments, before anything is written. The bank ops are wrapped once, when
+    a backend is made: an inference stream binds a backend's op for good and calls it at every point, past any
+    dispatcher that could check for it."""
+
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        check(*args, **kwargs)
+        return kernel(*args, **kwargs)
+
+    return run

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from attnres.ops.backends import select_backend
-from attnres.ops.checks import check_eps, check_sources, check_vector
+from attnres.ops.checks import check_depth_attention
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -74,14 +74,8 @@ def _mix(xs: list[torch.Tensor], weights: torch.Tensor, acc: torch.dtype) -> tor
     return mix
 
 
-def torch_depth_attention_fwd(
-    sources: list[torch.Tensor],
-    c: torch.Tensor,
-    out_norm_weight: torch.Tensor | None,
-    eps: float,
-    out_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Portable forward in torch ops: one fp32 source at a time. Contract of `depth_attention_fwd`."""
+def torch_depth_attention_fwd(sources, c, out_norm_weight, eps, out_eps):
+    """Portable kernel of `depth_attention_fwd` in torch ops, one fp32 source at a time."""
     acc = c.dtype
     shape = sources[0].shape
     xs = [flat_tokens(x) for x in sources]
@@ -94,39 +88,8 @@ def torch_depth_attention_fwd(
     return mix.to(sources[0].dtype).reshape(shape), weights.reshape(lead), torch.stack(rstd).reshape(lead)
 
 
-@torch.library.custom_op("attnres::depth_attention_fwd", mutates_args=())
-def depth_attention_fwd(
-    sources: list[torch.Tensor],
-    c: torch.Tensor,
-    out_norm_weight: torch.Tensor | None,
-    eps: float,
-    out_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (output in the sources' dtype, weights `[R, ...]`, key rstd `[R, ...]`), both rows in fp32."""
-    fwd = select_backend(sources[0]).fwd or torch_depth_attention_fwd
-    return fwd(sources, c, out_norm_weight, eps, out_eps)
-
-
-@depth_attention_fwd.register_fake
-def _(sources, c, out_norm_weight, eps, out_eps):
-    x = sources[0]
-    lead = (len(sources), *x.shape[:-1])
-    # contiguous, whatever the sources' strides: every backend returns a fresh contiguous output (inductor checks it)
-    return x.new_empty(x.shape), x.new_empty(lead, dtype=c.dtype), x.new_empty(lead, dtype=c.dtype)
-
-
-def torch_depth_attention_bwd(
-    grad_out: torch.Tensor,
-    grad_weights: torch.Tensor | None,
-    sources: list[torch.Tensor],
-    c: torch.Tensor,
-    out_norm_weight: torch.Tensor | None,
-    weights: torch.Tensor,
-    rstd: torch.Tensor,
-    eps: float,
-    out_eps: float,
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Portable backward in torch ops, one fp32 source at a time. Contract of `depth_attention_bwd`."""
+def torch_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps):
+    """Portable kernel of `depth_attention_bwd` in torch ops, one fp32 source at a time."""
     acc = c.dtype
     d = c.shape[0]
     xs = [flat_tokens(x) for x in sources]
@@ -159,19 +122,43 @@ def torch_depth_attention_bwd(
     return grads, dc, d_out_w.to(acc)
 
 
+# The two ops below are the contract every backend's kernels keep (`Backend.fwd` and `.bwd`, the torch kernels above
+# where a backend has none); each dispatches to the kernel of the backend that serves the sources.
+
+
+@torch.library.custom_op("attnres::depth_attention_fwd", mutates_args=())
+def depth_attention_fwd(
+    sources: list[torch.Tensor], c: torch.Tensor, out_norm_weight: torch.Tensor | None, eps: float, out_eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """R sources `[..., d]` (fp32, bf16, fp16 or fp64, any strides), the folded query c `[d]` in the accumulator dtype
+    (fp32; fp64 for fp64 sources), the optional output-norm gain `[d]`, the key and output-norm epsilons.
+
+    Returns (output `[..., d]` in the sources' dtype, weights `[R, ...]`, key rstd `[R, ...]`), the two rows in the
+    accumulator dtype; every output is fresh and contiguous.
+    """
+    fwd = select_backend(sources[0]).fwd or torch_depth_attention_fwd
+    return fwd(sources, c, out_norm_weight, eps, out_eps)
+
+
+@depth_attention_fwd.register_fake
+def _(sources, c, out_norm_weight, eps, out_eps):
+    x = sources[0]
+    lead = (len(sources), *x.shape[:-1])
+    # contiguous, whatever the sources' strides: every backend returns a fresh contiguous output (inductor checks it)
+    return x.new_empty(x.shape), x.new_empty(lead, dtype=c.dtype), x.new_empty(lead, dtype=c.dtype)
+
+
 @torch.library.custom_op("attnres::depth_attention_bwd", mutates_args=())
 def depth_attention_bwd(
-    grad_out: torch.Tensor,
-    grad_weights: torch.Tensor | None,
-    sources: list[torch.Tensor],
-    c: torch.Tensor,
-    out_norm_weight: torch.Tensor | None,
-    weights: torch.Tensor,
-    rstd: torch.Tensor,
-    eps: float,
-    out_eps: float,
+    grad_out: torch.Tensor, grad_weights: torch.Tensor | None, sources: list[torch.Tensor], c: torch.Tensor,
+    out_norm_weight: torch.Tensor | None, weights: torch.Tensor, rstd: torch.Tensor, eps: float, out_eps: float,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Returns (grad of each source, grad of c, grad of out_norm_weight (zeros when there is none))."""
+    """grad_out `[..., d]`, the gradient of the weights `[R, ...]` or None, the forward's inputs and its saved weights
+    and key rstd (which carries eps: a kernel may ignore `eps`).
+
+    Returns (grad of each source in its shape and dtype, grad of c `[d]`, grad of out_norm_weight `[d]`, zeros when
+    there is none), the last two in the accumulator dtype.
+    """
     bwd = select_backend(sources[0]).bwd or torch_depth_attention_bwd
     return bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps)
 
@@ -228,14 +215,7 @@ def depth_attention(
         The mixture `[..., d]` in the sources' dtype, and with `return_weights` the weights `[R, ...]` in fp32
         (fp64 for fp64 sources). Differentiable w.r.t. every tensor argument.
     """
-    xs = check_sources(sources)
-    d, device = xs[0].shape[-1], xs[0].device
-    check_vector("query", query, d, device, allow_rows=True)
-    check_vector("key_norm_weight", key_norm_weight, d, device)
-    check_vector("out_norm_weight", out_norm_weight, d, device)
-    eps = check_eps("eps", eps)
-    out_eps = eps if out_eps is None else check_eps("out_eps", out_eps)
-
+    xs, eps, out_eps = check_depth_attention(sources, query, key_norm_weight, eps, out_norm_weight, out_eps)
     c = fold_query(query, key_norm_weight, accumulator_dtype(xs[0].dtype))
     out, weights, _ = depth_attention_fwd(xs, c, out_norm_weight, eps, out_eps)
     return (out, weights) if return_weights else out

@@ -52,61 +52,16 @@ def _merge(m, z, u, prefix, c, eps):
     return h, z, ea, eb, x, s, r
 
 
-def torch_merge_prefix_fwd(
-    m: torch.Tensor,
-    z: torch.Tensor,
-    u: torch.Tensor,
-    prefix: torch.Tensor | None,
-    c: torch.Tensor | None,
-    out_norm_weight: torch.Tensor | None,
-    eps: float,
-    out_eps: float,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Portable forward in torch ops. Contract of `merge_prefix_fwd`."""
+def torch_merge_prefix_fwd(m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype):
+    """Portable kernel of `merge_prefix_fwd` in torch ops (it takes every argument of the op but `rows`)."""
     h = u / z.unsqueeze(-1) if prefix is None else _merge(m, z, u, prefix, c, eps)[0]
     if out_norm_weight is not None:
         h = rms_normalize(h, out_norm_weight, out_eps)[0]
     return h.to(dtype)
 
 
-@torch.library.custom_op("attnres::merge_prefix_fwd", mutates_args=())
-def merge_prefix_fwd(
-    m: torch.Tensor,
-    z: torch.Tensor,
-    u: torch.Tensor,
-    prefix: torch.Tensor | None,
-    c: torch.Tensor | None,
-    out_norm_weight: torch.Tensor | None,
-    eps: float,
-    out_eps: float,
-    dtype: torch.dtype,
-    rows: list[torch.Tensor],
-) -> torch.Tensor:
-    """m, z `[N]`, u `[N, d]` (accumulator dtype), prefix `[N, d]` and c `[d]` (both or neither, but c is needed
-    with rows) -> out `[N, d]`. `rows`: the sources u was scored from (`[N, d]` each), for the backward to recompute
-    u instead of saving it; empty: u is saved."""
-    fwd = select_backend(u).merge_fwd or torch_merge_prefix_fwd
-    return fwd(m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype)
-
-
-@merge_prefix_fwd.register_fake
-def _(m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype, rows):
-    return u.new_empty(u.shape, dtype=dtype)  # every backend returns a contiguous result
-
-
-def torch_merge_prefix_bwd(
-    grad_out: torch.Tensor,
-    m: torch.Tensor,
-    z: torch.Tensor,
-    u: torch.Tensor,
-    prefix: torch.Tensor | None,
-    c: torch.Tensor | None,
-    out_norm_weight: torch.Tensor | None,
-    eps: float,
-    out_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Portable backward in torch ops. Contract of `merge_prefix_bwd`."""
+def torch_merge_prefix_bwd(grad_out, m, z, u, prefix, c, out_norm_weight, eps, out_eps):
+    """Portable kernel of `merge_prefix_bwd` in torch ops."""
     if prefix is None:
         h, z_merged = u / z.unsqueeze(-1), z
     else:
@@ -124,20 +79,36 @@ def torch_merge_prefix_bwd(
     return ea.unsqueeze(-1) * du, ea * dz, dx.to(prefix.dtype), coef @ x, d_out_w
 
 
+# The two ops below are the contract every backend's kernels keep (`Backend.merge_fwd` and `.merge_bwd`, the torch
+# kernels above where a backend has none); each dispatches to the kernel of the backend that serves the statistics.
+
+
+@torch.library.custom_op("attnres::merge_prefix_fwd", mutates_args=())
+def merge_prefix_fwd(
+    m: torch.Tensor, z: torch.Tensor, u: torch.Tensor, prefix: torch.Tensor | None, c: torch.Tensor | None,
+    out_norm_weight: torch.Tensor | None, eps: float, out_eps: float, dtype: torch.dtype, rows: list[torch.Tensor],
+) -> torch.Tensor:
+    """m, z `[N]`, u `[N, d]` (accumulator dtype), prefix `[N, d]` (any token stride) and c `[d]` (both or neither,
+    but c is needed with rows) -> out `[N, d]` in `dtype`, fresh and contiguous. `rows`: the sources u was scored
+    from (`[N, d]` each), for the backward to recompute u instead of saving it (the kernels never read them); empty:
+    u is saved."""
+    fwd = select_backend(u).merge_fwd or torch_merge_prefix_fwd
+    return fwd(m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype)
+
+
+@merge_prefix_fwd.register_fake
+def _(m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype, rows):
+    return u.new_empty(u.shape, dtype=dtype)  # every backend returns a contiguous result
+
+
 @torch.library.custom_op("attnres::merge_prefix_bwd", mutates_args=())
 def merge_prefix_bwd(
-    grad_out: torch.Tensor,
-    m: torch.Tensor,
-    z: torch.Tensor,
-    u: torch.Tensor,
-    prefix: torch.Tensor | None,
-    c: torch.Tensor | None,
-    out_norm_weight: torch.Tensor | None,
-    eps: float,
-    out_eps: float,
+    grad_out: torch.Tensor, m: torch.Tensor, z: torch.Tensor, u: torch.Tensor, prefix: torch.Tensor | None,
+    c: torch.Tensor | None, out_norm_weight: torch.Tensor | None, eps: float, out_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns grads (u `[N, d]`, z `[N]`, prefix `[N, d]` in its dtype, c `[d]`, out_norm_weight `[d]`) in the
-    accumulator dtype but for the prefix's; m is a stop-gradient. A grad whose input is None is empty."""
+    """grad_out `[N, d]` and the forward's inputs. Returns grads (u `[N, d]`, z `[N]`, prefix `[N, d]` in its dtype,
+    c `[d]`, out_norm_weight `[d]`) in the accumulator dtype but for the prefix's; m is a stop-gradient. A grad whose
+    input is None is empty."""
     bwd = select_backend(u).merge_bwd or torch_merge_prefix_bwd
     return bwd(grad_out, m, z, u, prefix, c, out_norm_weight, eps, out_eps)
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from attnres.ops.checks import check_eps, check_matrix, check_sources, check_vector
+from attnres.ops.checks import check_depth_attention, check_depth_stats
 from attnres.ops.depth_attention import accumulator_dtype
 from attnres.ops.two_phase import SoftmaxStats, finish_stats, merge_stats
 
@@ -31,14 +31,8 @@ def naive_depth_attention(
     return_weights: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Twin of `attnres.depth_attention`: same signature, same result, computed the obvious way."""
-    xs = check_sources(sources)
+    xs, eps, out_eps = check_depth_attention(sources, query, key_norm_weight, eps, out_norm_weight, out_eps)
     d = xs[0].shape[-1]
-    check_vector("query", query, d, xs[0].device, allow_rows=True)
-    check_vector("key_norm_weight", key_norm_weight, d, xs[0].device)
-    check_vector("out_norm_weight", out_norm_weight, d, xs[0].device)
-    eps = check_eps("eps", eps)
-    out_eps = eps if out_eps is None else check_eps("out_eps", out_eps)
-
     acc = accumulator_dtype(xs[0].dtype)  # fp32, or fp64 for fp64 inputs
     v = torch.stack(xs).to(acc)  # [R, ..., d]
     gain = None if key_norm_weight is None else key_norm_weight.to(acc)
@@ -60,12 +54,7 @@ def naive_depth_stats(
     eps: float = 1e-6,
 ) -> SoftmaxStats:
     """Twin of `attnres.depth_stats`: the softmax statistics of S queries over the sources, from the stacked scores."""
-    xs = check_sources(sources)
-    d = xs[0].shape[-1]
-    check_matrix("queries", queries, d, xs[0].device)
-    check_matrix("key_norm_weights", key_norm_weights, d, xs[0].device)
-    eps = check_eps("eps", eps)
-
+    xs, eps = check_depth_stats(sources, queries, key_norm_weights, eps)
     acc = accumulator_dtype(xs[0].dtype)
     v = torch.stack(xs).to(acc)  # [R, ..., d]
     keys = _rms_norm(v, None, eps)

@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import torch
 
-from attnres.ops.backends import select_backend
-from attnres.ops.checks import check_eps, check_matrix, check_sources, check_vector
+from attnres.ops.backends import Backend, select_backend
+from attnres.ops.checks import check_depth_stats, check_eps, check_vector
 from attnres.ops.depth_attention import accumulator_dtype, flat_tokens, rms_normalize
 
 
@@ -38,10 +38,8 @@ def _scores(x: torch.Tensor, cs: torch.Tensor, eps: float) -> tuple[torch.Tensor
     return (cs @ x.T) * rstd, rstd
 
 
-def torch_depth_stats_fwd(
-    sources: list[torch.Tensor], cs: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Portable phase 1 in torch ops. Contract of `depth_stats_fwd`."""
+def torch_depth_stats_fwd(sources, cs, eps):
+    """Portable kernel of `depth_stats_fwd` in torch ops, one fp32 source at a time."""
     acc = cs.dtype
     xs = [flat_tokens(x) for x in sources]
     s, rstd = zip(*(_scores(x.to(acc), cs, eps) for x in xs))
@@ -54,32 +52,8 @@ def torch_depth_stats_fwd(
     return m, p.sum(0), u, torch.stack(rstd)
 
 
-@torch.library.custom_op("attnres::depth_stats_fwd", mutates_args=())
-def depth_stats_fwd(
-    sources: list[torch.Tensor], cs: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (m `[S, N]`, z `[S, N]`, u `[S, N, d]`, key rstd `[R, N]`) over flattened tokens."""
-    fwd = select_backend(sources[0], max(len(sources), cs.shape[0])).stats_fwd or torch_depth_stats_fwd
-    return fwd(sources, cs, eps)
-
-
-@depth_stats_fwd.register_fake
-def _(sources, cs, eps):
-    x = flat_tokens(sources[0])
-    S, N = cs.shape[0], x.shape[0]
-    return cs.new_empty(S, N), cs.new_empty(S, N), cs.new_empty(S, N, x.shape[1]), cs.new_empty(len(sources), N)
-
-
-def torch_depth_stats_bwd(
-    grad_z: torch.Tensor,
-    grad_u: torch.Tensor,
-    sources: list[torch.Tensor],
-    cs: torch.Tensor,
-    m: torch.Tensor,
-    rstd: torch.Tensor,
-    eps: float,
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Portable phase-1 backward in torch ops. Contract of `depth_stats_bwd`."""
+def torch_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, eps):
+    """Portable kernel of `depth_stats_bwd` in torch ops, one fp32 source at a time."""
     acc = cs.dtype
     d = cs.shape[1]
     dcs = torch.zeros_like(cs)
@@ -97,18 +71,45 @@ def torch_depth_stats_bwd(
     return grads, dcs
 
 
+# The two ops below are the contract every backend's kernels keep (`Backend.stats_fwd` and `.stats_bwd`, the torch
+# kernels above where a backend has none); a backend's phase-1 kernels may take only so many queries and sources.
+
+
+def _phase1_backend(sources: list[torch.Tensor], cs: torch.Tensor) -> Backend:
+    return select_backend(sources[0], max(len(sources), cs.shape[0]))
+
+
+@torch.library.custom_op("attnres::depth_stats_fwd", mutates_args=())
+def depth_stats_fwd(
+    sources: list[torch.Tensor], cs: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """R sources `[..., d]` (fp32, bf16, fp16 or fp64, any strides), the folded queries cs `[S, d]` in the accumulator
+    dtype (fp32; fp64 for fp64 sources), the key eps.
+
+    Returns (m `[S, N]`, z `[S, N]`, u `[S, N, d]`, key rstd `[R, N]`) over the N flattened tokens, in the
+    accumulator dtype.
+    """
+    return (_phase1_backend(sources, cs).stats_fwd or torch_depth_stats_fwd)(sources, cs, eps)
+
+
+@depth_stats_fwd.register_fake
+def _(sources, cs, eps):
+    x = flat_tokens(sources[0])
+    S, N = cs.shape[0], x.shape[0]
+    return cs.new_empty(S, N), cs.new_empty(S, N), cs.new_empty(S, N, x.shape[1]), cs.new_empty(len(sources), N)
+
+
 @torch.library.custom_op("attnres::depth_stats_bwd", mutates_args=())
 def depth_stats_bwd(
-    grad_z: torch.Tensor,
-    grad_u: torch.Tensor,
-    sources: list[torch.Tensor],
-    cs: torch.Tensor,
-    m: torch.Tensor,
-    rstd: torch.Tensor,
-    eps: float,
+    grad_z: torch.Tensor, grad_u: torch.Tensor, sources: list[torch.Tensor], cs: torch.Tensor, m: torch.Tensor,
+    rstd: torch.Tensor, eps: float,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Returns (grad of each source, grad of the folded queries), holding the shift m fixed."""
-    bwd = select_backend(sources[0], max(len(sources), cs.shape[0])).stats_bwd or torch_depth_stats_bwd
+    """grad_z `[S, N]`, grad_u `[S, N, d]`, the forward's sources and cs, its shift m `[S, N]`, held fixed, and key
+    rstd `[R, N]` (which carries eps: a kernel may ignore `eps`).
+
+    Returns (grad of each source in its shape and dtype, grad of cs `[S, d]` in the accumulator dtype).
+    """
+    bwd = _phase1_backend(sources, cs).stats_bwd or torch_depth_stats_bwd
     return bwd(grad_z, grad_u, sources, cs, m, rstd, eps)
 
 
@@ -154,22 +155,12 @@ def depth_stats(
         `SoftmaxStats` with m, z `[S, ...]` and u `[S, ..., d]` in fp32 (fp64 for fp64 sources). Differentiable
         w.r.t. sources, queries and gains; m is a stop-gradient shift.
     """
-    xs = check_sources(sources)
-    d, device = xs[0].shape[-1], xs[0].device
-    check_matrix("queries", queries, d, device)
-    check_matrix("key_norm_weights", key_norm_weights, d, device)
-    if key_norm_weights is not None and key_norm_weights.shape != queries.shape:
-        raise ValueError(
-            f"key_norm_weights: expected one gain per query, shape {tuple(queries.shape)}, "
-            f"got {tuple(key_norm_weights.shape)}"
-        )
-    eps = check_eps("eps", eps)
-
+    xs, eps = check_depth_stats(sources, queries, key_norm_weights, eps)
     acc = accumulator_dtype(xs[0].dtype)
     cs = queries.to(acc) if key_norm_weights is None else queries.to(acc) * key_norm_weights.to(acc)
     m, z, u, _ = depth_stats_fwd(xs, cs, eps)
     lead = (queries.shape[0], *xs[0].shape[:-1])
-    return SoftmaxStats(m.detach().reshape(lead), z.reshape(lead), u.reshape(*lead, d))
+    return SoftmaxStats(m.detach().reshape(lead), z.reshape(lead), u.reshape(*lead, xs[0].shape[-1]))
 
 
 def merge_stats(a: SoftmaxStats, b: SoftmaxStats) -> SoftmaxStats:

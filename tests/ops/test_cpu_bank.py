@@ -224,7 +224,8 @@ BAD = _bad_cases()
 def test_bad_arguments_name_the_argument(case):
     kwargs, error, name = case
     kwargs = dict(kwargs)
-    op = cpu.cpu_bank_aggregate if kwargs.pop("op") == "aggregate" else cpu.cpu_bank_merge
+    fused = backends._cpu_backend()  # the CPU backend's ops, which an inference stream calls directly
+    op = fused.bank_aggregate if kwargs.pop("op") == "aggregate" else fused.bank_merge
     with pytest.raises(error, match=rf"^{name}:"):
         op(**kwargs)
 

@@ -1,5 +1,5 @@
-"""Triton kernels of the fused inference aggregation, with the contracts of `attnres.ops.bank.bank_aggregate` and
-`bank_merge` (docs/design.md section 5).
+"""Triton kernels of the fused inference aggregation, for the ops `attnres.ops.bank.bank_aggregate` and `bank_merge`
+(docs/design.md section 5), whose contracts and checks live there.
 
 One program owns BLOCK_T tokens and their whole rows of d channels (padded to D_PAD, masked at the tail), as the
 depth-attention forward does, and does everything a point needs in one pass:
@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from attnres.ops.checks import check_bank, check_bank_point, check_stats
 from attnres.ops.triton.depth_attention import (
     MAX_D,
     TORCH_TO_TRITON,
@@ -132,32 +131,19 @@ def bank_merge_kernel(
     tl.store(out + offsets, round_to(mix, DTYPE), mask=mask)
 
 
-def _check_point(prefix, output, c, out_norm_weight, eps, out_eps) -> tuple[int, int]:
-    """(N, d) of a point the kernels take: the shared checks of the bank ops, then the kernels' own limits."""
-    if isinstance(prefix, torch.Tensor) and prefix.dtype not in TORCH_TO_TRITON:
+def _check_limits(prefix: torch.Tensor) -> tuple[int, int]:
+    """(N, d) of a point within what the kernels take (the op's own checks have run: see `attnres.ops.bank`)."""
+    if prefix.dtype not in TORCH_TO_TRITON:
         raise TypeError(f"prefix: the Triton kernels take float32, bfloat16 or float16, got {prefix.dtype}")
-    n, d = check_bank_point(prefix, output, c, out_norm_weight, eps, out_eps)
+    n, d = prefix.shape
     if d > MAX_D:
         raise ValueError(f"prefix: the Triton kernels hold rows of at most d={MAX_D} channels, got d={d}")
     return n, d
 
 
-def triton_bank_aggregate(
-    bank: torch.Tensor,
-    nvb: int,
-    prefix: torch.Tensor,
-    output: torch.Tensor | None,
-    c: torch.Tensor,
-    out_norm_weight: torch.Tensor | None,
-    eps: float,
-    out_eps: float,
-    write: bool,
-) -> torch.Tensor:
-    """Contract of `bank_aggregate`: bank `[N, NB, d]` (rows of d contiguous), prefix `[N, d]` (rows contiguous),
-    output `[N, d]` or None, c `[d]`; mutates prefix (and bank row nvb when `write`) and returns the (normed) mixture
-    `[N, d]` in the prefix's dtype."""
-    n, d = _check_point(prefix, output, c, out_norm_weight, eps, out_eps)
-    check_bank(bank, nvb, prefix, write)
+def triton_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write):
+    """Kernel of `bank_aggregate`: the whole point in one launch."""
+    n, d = _check_limits(prefix)
     out = torch.empty((n, d), dtype=prefix.dtype, device=prefix.device)
     if n > 0:
         bank_aggregate_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_T"]),)](
@@ -169,22 +155,9 @@ def triton_bank_aggregate(
     return out
 
 
-def triton_bank_merge(
-    m: torch.Tensor,
-    z: torch.Tensor,
-    u: torch.Tensor,
-    prefix: torch.Tensor,
-    output: torch.Tensor | None,
-    c: torch.Tensor,
-    out_norm_weight: torch.Tensor | None,
-    eps: float,
-    out_eps: float,
-) -> torch.Tensor:
-    """Contract of `bank_merge`: the bank's statistics m, z `[N]` and u `[N, d]` (fp32), prefix `[N, d]` (rows
-    contiguous), output `[N, d]` or None, c `[d]`; mutates prefix and returns the (normed) mixture `[N, d]` in the
-    prefix's dtype."""
-    n, d = _check_point(prefix, output, c, out_norm_weight, eps, out_eps)
-    check_stats(m, z, u, prefix)
+def triton_bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps):
+    """Kernel of `bank_merge`: the whole point in one launch."""
+    n, d = _check_limits(prefix)
     out = torch.empty((n, d), dtype=prefix.dtype, device=prefix.device)
     if n > 0:
         stats = (s.float().contiguous() for s in (m, z, u))

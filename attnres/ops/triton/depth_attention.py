@@ -312,17 +312,8 @@ def depth_attention_bwd_kernel(
         tl.store(dow_part + pid * D + cols, dow, mask=col_ok)
 
 
-def triton_depth_attention_fwd(
-    sources: list[torch.Tensor],
-    c: torch.Tensor,
-    out_norm_weight: torch.Tensor | None,
-    eps: float,
-    out_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Contract of `attnres::depth_attention_fwd`: sources R x `[..., d]`, folded query c `[d]` fp32.
-
-    Returns (output `[..., d]` in the sources' dtype, weights `[R, ...]` fp32, key rstd `[R, ...]` fp32).
-    """
+def triton_depth_attention_fwd(sources, c, out_norm_weight, eps, out_eps):
+    """Kernel of `attnres::depth_attention_fwd`: one streaming pass over the sources."""
     shape = sources[0].shape
     xs = flat_sources(sources)
     n, d = xs[0].shape
@@ -341,23 +332,8 @@ def triton_depth_attention_fwd(
     return out.reshape(shape), weights.reshape(lead), rstd.reshape(lead)
 
 
-def triton_depth_attention_bwd(
-    grad_out: torch.Tensor,
-    grad_weights: torch.Tensor | None,
-    sources: list[torch.Tensor],
-    c: torch.Tensor,
-    out_norm_weight: torch.Tensor | None,
-    weights: torch.Tensor,
-    rstd: torch.Tensor,
-    eps: float,
-    out_eps: float,
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Contract of `attnres::depth_attention_bwd`: grad_out `[..., d]`, grad_weights `[R, ...]` or None, and the
-    forward's inputs and saved rows (weights, rstd `[R, ...]`; `eps` is unused: the key rstd is saved).
-
-    Returns (grad of each source in its dtype and shape, grad of c `[d]` fp32, grad of out_norm_weight `[d]` fp32,
-    zeros when there is no output norm).
-    """
+def triton_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps):
+    """Kernel of `attnres::depth_attention_bwd` (the saved rstd carries eps)."""
     xs = flat_sources(sources)
     n, d = xs[0].shape
     R, device = len(xs), xs[0].device

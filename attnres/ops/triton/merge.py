@@ -140,19 +140,8 @@ def _check_stats(u: torch.Tensor) -> None:
         raise TypeError(f"u: the Triton merge kernels take float32 statistics, got {u.dtype}")
 
 
-def triton_merge_prefix_fwd(
-    m: torch.Tensor,
-    z: torch.Tensor,
-    u: torch.Tensor,
-    prefix: torch.Tensor | None,
-    c: torch.Tensor | None,
-    out_norm_weight: torch.Tensor | None,
-    eps: float,
-    out_eps: float,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Contract of `attnres::merge_prefix_fwd`: m, z `[N]`, u `[N, d]` fp32, prefix `[N, d]` (float32, bfloat16 or
-    float16) and c `[d]` fp32, or both None. Returns the result `[N, d]` in `dtype`."""
+def triton_merge_prefix_fwd(m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype):
+    """Kernel of `attnres::merge_prefix_fwd` (it takes every argument of the op but `rows`)."""
     _check_stats(u)
     n, d = u.shape
     if dtype not in TORCH_TO_TRITON:
@@ -169,22 +158,8 @@ def triton_merge_prefix_fwd(
     return out
 
 
-def triton_merge_prefix_bwd(
-    grad_out: torch.Tensor,
-    m: torch.Tensor,
-    z: torch.Tensor,
-    u: torch.Tensor,
-    prefix: torch.Tensor | None,
-    c: torch.Tensor | None,
-    out_norm_weight: torch.Tensor | None,
-    eps: float,
-    out_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Contract of `attnres::merge_prefix_bwd`: grad_out `[N, d]` and the forward's inputs.
-
-    Returns grads (u `[N, d]`, z `[N]`, prefix `[N, d]` in its dtype, c `[d]`, out_norm_weight `[d]`), fp32 but for
-    the prefix's; the grad of an input that is None is empty.
-    """
+def triton_merge_prefix_bwd(grad_out, m, z, u, prefix, c, out_norm_weight, eps, out_eps):
+    """Kernel of `attnres::merge_prefix_bwd`."""
     _check_stats(u)
     n, d = u.shape
     x = None if prefix is None else flat_sources([prefix])[0]

@@ -182,13 +182,8 @@ QUERIES_REMEDY = "score the queries in groups"
 SOURCES_REMEDY = "score the sources in groups and combine their statistics with merge_stats"
 
 
-def triton_depth_stats_fwd(
-    sources: list[torch.Tensor], cs: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Contract of `attnres::depth_stats_fwd`: sources R x `[..., d]`, folded queries cs `[S, d]` fp32.
-
-    Returns (m `[S, N]`, z `[S, N]`, u `[S, N, d]`, key rstd `[R, N]`), fp32, over the N flattened tokens.
-    """
+def triton_depth_stats_fwd(sources, cs, eps):
+    """Kernel of `attnres::depth_stats_fwd`: one program per (token block, query)."""
     xs = flat_sources(sources)
     n, d = xs[0].shape
     S, R, device = cs.shape[0], len(xs), xs[0].device
@@ -206,20 +201,8 @@ def triton_depth_stats_fwd(
     return m, z, u, rstd
 
 
-def triton_depth_stats_bwd(
-    grad_z: torch.Tensor,
-    grad_u: torch.Tensor,
-    sources: list[torch.Tensor],
-    cs: torch.Tensor,
-    m: torch.Tensor,
-    rstd: torch.Tensor,
-    eps: float,
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Contract of `attnres::depth_stats_bwd`: grad_z `[S, N]`, grad_u `[S, N, d]`, the forward's inputs, its shift
-    m `[S, N]` and key rstd `[R, N]` (`eps` is unused: rstd is saved).
-
-    Returns (grad of each source in its dtype and shape, grad of cs `[S, d]` fp32), holding m fixed.
-    """
+def triton_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, eps):
+    """Kernel of `attnres::depth_stats_bwd` (the saved rstd carries eps)."""
     xs = flat_sources(sources)
     n, d = xs[0].shape
     S, R, device = cs.shape[0], len(xs), xs[0].device
