@@ -103,7 +103,7 @@ def _family_lm_class(config: AttnResConfig) -> type[PreTrainedModel]:
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(text_config)]
 
 
-def _key_norm_eps(text_config) -> float:
+def key_norm_eps(text_config) -> float:
     """The AttnRes key norms use the family's RMSNorm eps."""
     for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"):
         value = getattr(text_config, name, None)
@@ -137,7 +137,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
                 f"{type(lm).base_model_prefix!r}; AttnRes models keep it as 'model' (the Llama layout) and support "
                 f"those families only"
             )
-        dim, eps = config.hidden_size, _key_norm_eps(config.text_config)
+        dim, eps = config.hidden_size, key_norm_eps(config.text_config)
         layers = (AttnResDecoderLayer(layer, i, config, dim, eps) for i, layer in enumerate(base.layers))
         base.layers = nn.ModuleList(layers)
         if config.attn_res_layer_plan is not None:

@@ -45,7 +45,7 @@ def add_points(owner: nn.Module, prefixes: tuple[str, ...], dim: int, eps: float
     return tuple(NamedPoint(owner, prefix) for prefix in prefixes)
 
 
-class _Norm:
+class FusedNorm:
     """What a stream needs of a sublayer's plain RMSNorm PreNorm to fuse it: its weight and eps (and a call, for the
     standard residual)."""
 
@@ -202,7 +202,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     def _read(self, stream: ResidualStream, side: Sublayer) -> torch.Tensor:
         norm = getattr(self, side.norm)
         if side.fused_eps is not None and type(norm) is self._family_norms[side.norm]:
-            return stream.read(_Norm(norm, side.fused_eps))
+            return stream.read(FusedNorm(norm, side.fused_eps))
         return norm(stream.read())  # the family's own norm on the mixture (or a module swapped in for it)
 
 

@@ -9,8 +9,9 @@ names, which that loader then fills like any other parameter.
 Only the forward is ours. vLLM hands the model one flattened batch of tokens (prefill chunks and decode tokens of
 every scheduled sequence together) and the depth aggregation is per token, so one residual stream serves the whole
 batch: Block takes the fused bank path (`attnres.layers.bank_stream`, one `[tokens, NB, d]` bank, no stacked
-sources), Full attends over its sources. Each sublayer runs as the saved layer plan says (PreNorm, body, post-body
-norms, residual scale; `attnres.models.family.Sublayer`), on the vLLM layer's children of the same names.
+sources), Full attends over its sources with one direct kernel call per point (`attnres.serving.full_stream`). Each
+sublayer runs as the saved layer plan says (PreNorm, body, post-body norms, residual scale;
+`attnres.models.family.Sublayer`), on the vLLM layer's children of the same names.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnres.layers import make_stream
+from attnres.layers import FULL, STANDARD, make_stream
 from attnres.models.family import Sublayer
-from attnres.models.modeling_attnres import _key_norm_eps
-from attnres.models.wiring import OUTPUT_POINT, SIDE_NAMES, _Norm, add_points
+from attnres.models.modeling_attnres import key_norm_eps
+from attnres.models.wiring import OUTPUT_POINT, SIDE_NAMES, FusedNorm, add_points
 from attnres.serving.checks import family_architecture
+from attnres.serving.full_stream import FullInferenceStream
 
 # class attributes of a family's vLLM model that its weight loader and LoRA support read from the instance
 _FAMILY_CLASS_ATTRIBUTES = ("hf_to_vllm_mapper", "packed_modules_mapping", "embedding_modules")
@@ -52,9 +54,9 @@ class AttnResForCausalLM(nn.Module):
                 setattr(self, name, getattr(self._family_cls, name))
         self.sides = tuple(Sublayer.from_config(entry) for entry in config.attn_res_layer_plan)
         _check_layer_names(self.model.layers[0], self.sides, family)
-        dim, eps = config.hidden_size, _key_norm_eps(config.text_config)
+        dim, eps = config.hidden_size, key_norm_eps(config.text_config)
         self.points = None
-        if config.residual != "standard":
+        if config.residual != STANDARD:
             points = [point for layer in self.model.layers for point in add_points(layer, SIDE_NAMES, dim, eps)]
             self.points = points + list(add_points(self.model, (OUTPUT_POINT,), dim, eps))
 
@@ -73,7 +75,19 @@ class AttnResForCausalLM(nn.Module):
             raise NotImplementedError("pipeline parallelism: AttnRes models are served on a single pipeline stage")
         base, config = self.model, self.config
         hidden = base.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        stream = make_stream(
+        stream = self._stream(hidden)
+        for layer in base.layers:
+            for k, side in enumerate(self.sides):  # the plan's first side is the attention
+                x = _read(stream, layer, side)
+                stream.write(_run_sublayer(layer, side, x, positions if k == 0 else None))
+        return base.norm(stream.read())
+
+    def _stream(self, hidden: torch.Tensor):
+        """The residual stream of one forward: Block's fused bank path, Full's direct kernel calls."""
+        config = self.config
+        if config.residual == FULL:
+            return FullInferenceStream(hidden, config.num_hidden_layers, self.points, config.attn_res_rescale_mixture)
+        return make_stream(
             config.residual,
             hidden,
             config.num_hidden_layers,
@@ -83,11 +97,6 @@ class AttnResForCausalLM(nn.Module):
             two_phase=config.attn_res_two_phase,
             inference=True,
         )
-        for layer in base.layers:
-            for k, side in enumerate(self.sides):  # the plan's first side is the attention
-                x = _read(stream, layer, side)
-                stream.write(_run_sublayer(layer, side, x, positions if k == 0 else None))
-        return base.norm(stream.read())
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self._family_cls.compute_logits(self, hidden_states)
@@ -101,7 +110,7 @@ def _read(stream, layer: nn.Module, side: Sublayer) -> torch.Tensor:
     1 + w) applied to the mixture as the vLLM layer's own module."""
     norm = getattr(layer, side.norm)
     if side.fused_eps is not None:
-        return stream.read(_Norm(norm, side.fused_eps))
+        return stream.read(FusedNorm(norm, side.fused_eps))
     return norm(stream.read())
 
 
