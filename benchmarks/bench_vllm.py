@@ -10,14 +10,18 @@ of the serving process (steadier on a shared machine); reported: medians, the me
 AttnRes / original within rounds, and, from one more run under cProfile, the share of the serving time spent in the
 AttnRes residual path (attnres code and its CPU kernels).
 
-    $ATTNRES_VLLM_PYTHON benchmarks/bench_vllm.py --out docs/bench_vllm.json           # CPU, fp32, eager
-    python benchmarks/bench_vllm.py --dtype bfloat16 --compiled --out vllm_gpu.json      # GPU, the `vllm` package
+    OMP_NUM_THREADS=1 $ATTNRES_VLLM_PYTHON benchmarks/bench_vllm.py --out docs/bench_vllm.json   # CPU, fp32, eager
+    python benchmarks/bench_vllm.py --dtype bfloat16 --out vllm_gpu.json         # GPU, the `vllm` package, eager
+
+With `--if-installed` (the vLLM stage of benchmarks/gpu_check.sh), a Python without the `vllm` package writes a
+"not run" record to `--out` and exits 0 instead of failing.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib.util
 import json
 import os
 import platform
@@ -51,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=2, help="timed runs per served model and round (default: %(default)s)")
     p.add_argument("--serve", nargs=2, metavar=("FOLDER", "SPEC"), help=argparse.SUPPRESS)  # one model, internal
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here (atomically)")
+    p.add_argument("--if-installed", action="store_true",
+                   help="without the vllm package, write a 'not run' record to --out and exit 0")
     args = p.parse_args(argv)
     for name in ("dim", "layers", "heads", "vocab", "block_size", "requests", "max_tokens", "repeats", "runs"):
         if getattr(args, name) < 1:
@@ -127,11 +133,16 @@ def serve(folder: str, spec_path: str) -> None:
 
 def attnres_share(profile: cProfile.Profile) -> float:
     """The share of a profiled run's time spent in attnres code and its CPU kernels (the AttnRes residual path; the
-    plugin's own forward loop, which only calls the family's modules, counts as vLLM's)."""
+    plugin's forward loop, which only calls the family's modules, counts as vLLM's). Our files are found by the
+    package's own folder: a venv may live under a folder named attnres too."""
+    import attnres
+    import attnres.serving.vllm_model as plugin_model
+
+    package = os.path.dirname(attnres.__file__) + os.sep
     stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, primitive calls, own time, cumulative, callers)
     total = sum(entry[2] for entry in stats.values())
     ours = sum(entry[2] for (file, _, name), entry in stats.items()
-               if ("/attnres/" in file and "/attnres/serving/" not in file) or "attnres_cpu" in name)
+               if (file.startswith(package) and file != plugin_model.__file__) or "attnres_cpu" in name)
     return ours / total
 
 
@@ -165,10 +176,29 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def not_installed_record() -> dict | None:
+    """The 'not run' record for a Python without the vllm package (None where it has one)."""
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    return dict(status="not run", why=f"vllm is not installed on this machine ({sys.executable} finds no module named "
+                                      f"'vllm'); install vllm there to run this benchmark")
+
+
+def write_json(path: Path, result: dict) -> None:
+    tmp_out = path.with_name(path.name + ".tmp")
+    tmp_out.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp_out, path)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.serve:
         serve(*args.serve)
+        return
+    if args.if_installed and (record := not_installed_record()) is not None:
+        print(f"bench_vllm: not run: {record['why']}")
+        if args.out:
+            write_json(args.out, record)
         return
     with tempfile.TemporaryDirectory(prefix="bench_vllm_") as tmp:
         root = Path(tmp)
@@ -184,10 +214,11 @@ def main(argv: list[str] | None = None) -> None:
         for kind in ("block", "full")
     }
     result = dict(
+        status="ok",
         what="vLLM output tokens/s, greedy, original Llama vs its Block and Full AttnRes conversions",
         command=" ".join([Path(sys.executable).name, *sys.argv]),
         settings={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
-                  if k not in ("out", "serve")},
+                  if k not in ("out", "serve", "if_installed")},
         environment=dict(vllm=vllm.__version__, torch=torch.__version__, python=platform.python_version(),
                          machine=platform.machine(), cpus=os.cpu_count(),
                          omp_num_threads=os.environ.get("OMP_NUM_THREADS")),
@@ -200,9 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(json.dumps(result, indent=2))
     if args.out:
-        tmp_out = args.out.with_name(args.out.name + ".tmp")
-        tmp_out.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp_out, args.out)
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":
