@@ -86,15 +86,14 @@ def apply_ddp(model: nn.Module) -> nn.Module:
     return DistributedDataParallel(model)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None = None, per_layer: bool = True) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
     """FSDP2 (`fully_shard`) composed onto an unchanged `AttnResForCausalLM`, as torchtitan does: one group per
     decoder layer, one for the embedding, one for the head, then the root. Parameters, gradients and optimizer
     state are sharded over the ranks of `mesh` (default: the world; a 2-D ("dp_replicate", "dp_shard") mesh shards
     over the second and replicates over the first: HSDP); each group is gathered just before it runs, forward and
-    backward, and freed after (`reshard_after_forward`), so a layer's full parameters exist only while it runs.
-    `per_layer=False`: the root group only (every parameter gathered for the whole forward and backward; tensor
-    parallel needs it while it hands the family's modules local views of their parameters for a forward). Changes
-    `model` in place and returns it.
+    backward, and freed after (`reshard_after_forward`), so a layer's full parameters exist only while it runs. On a
+    tensor-parallel model (`parallelize_tensor` first), FSDP2 shards each DTensor's local part. Changes `model` in
+    place and returns it.
 
     A decoder layer's group is the whole layer: it takes the residual state and returns the new one, and hands on the
     rows it does not change as views of its own (`attnres.models.wiring`), so FSDP2's hooks on its outputs gather it
@@ -114,24 +113,23 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None = None, per_layer: bool
         message=r"FSDP2-wrapped module \(FSDPAttnResDecoderLayer\) returned a view tensor",
         category=UserWarning,
     )
-    if per_layer:
-        for layer in layers:
-            if any(True for _ in layer.parameters()):  # a pipeline stage's placeholders for others' layers: none
-                fully_shard(layer, mesh=mesh)
-        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-        if not model.config.tie_word_embeddings:
-            for part, reshard in ((embed, True), (head, False)):
-                if part is not None:
-                    fully_shard(part, mesh=mesh, reshard_after_forward=reshard)
+    for layer in layers:
+        if any(True for _ in layer.parameters()):  # a pipeline stage's placeholders for others' layers: none
+            fully_shard(layer, mesh=mesh)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if not model.config.tie_word_embeddings:
+        for part, reshard in ((embed, True), (head, False)):
+            if part is not None:
+                fully_shard(part, mesh=mesh, reshard_after_forward=reshard)
     return fully_shard(model, mesh=mesh)
 
 
-def shard_chunk(chunk: nn.Module, mesh: DeviceMesh, per_layer: bool = True) -> None:
-    """FSDP2 on a pipeline chunk, as `apply_fsdp` on a model: a group per decoder layer (`per_layer`), then the chunk
-    (its embedding, final read, final norm and head, as the stage has them)."""
+def shard_chunk(chunk: nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP2 on a pipeline chunk, as `apply_fsdp` on a model: a group per decoder layer, then the chunk (its
+    embedding, final read, final norm and head, as the stage has them)."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in chunk.layers if per_layer else ():
+    for layer in chunk.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(chunk, mesh=mesh)
 

@@ -225,15 +225,13 @@ class PipelineChunk(nn.Module):
             outputs = model.head_logits(self.norm(model.final_read(state)))
         else:
             outputs = self._pack(list(state.rows), state.head, key)
-        if self.tp is not None:
-            self.tp.end(outputs if self.is_last else outputs[0])
         return outputs
 
     def _begin_tensor_parallel(self, seq_len: int) -> None:
-        """Tensor parallel within the stage: the layouts and local views for this chunk's forward, held until it
-        ends (the chunk runs its layers outside the base model's forward)."""
+        """Tensor parallel within the stage: the layouts of this chunk's forward (the chunk runs its layers outside
+        the base model's forward, whose pre-hook sets them otherwise)."""
         if self.tp is not None:
-            self.tp.begin(seq_len, held=True)
+            self.tp.use_layout(seq_len)
 
     def _unpack(self, inputs: tuple[torch.Tensor, ...], key: tuple[int, int]):
         head = inputs[-1] if self.plan.head_rows else None
@@ -370,7 +368,7 @@ class PipelineTrainer:
             from attnres.distributed.data_parallel import shard_chunk
 
             for chunk in self.chunks:  # the chunk's group only under tensor parallel (its local views)
-                shard_chunk(chunk, dp_mesh, per_layer=self.tp is None)
+                shard_chunk(chunk, dp_mesh)
         self._schedule, self._shape = None, None
 
     def parameters(self) -> list[nn.Parameter]:

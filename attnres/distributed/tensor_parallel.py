@@ -2,12 +2,15 @@
 unchanged AttnRes model as torchtitan applies its TP plan.
 
 Inside each sublayer the family's own transformers TP plan (`base_model_tp_plan`: q/k/v and gate/up `ColwiseParallel`,
-o/down `RowwiseParallel`) splits the attention heads and the MLP columns over the P ranks of a 1-D `DeviceMesh`.
+o/down `RowwiseParallel`) splits the attention heads and the MLP columns over the P ranks of a 1-D `DeviceMesh`. An
+MoE sublayer's experts (Qwen3-MoE, Mixtral) are split by transformers' own expert styles from the same plan (each
+rank holds its columns of every expert); its router sees every token, replicated.
 Outside the sublayers everything AttnRes keeps (the Block bank rows and prefix, the Full sources, the standard
 residual) lives sharded along the sequence: each rank holds tokens `[r*T/P, (r+1)*T/P)` of every row, and the depth
 attention, which never mixes tokens, runs there on plain local tensors with no communication (our ops need no DTensor
 rules). Each sublayer body all-gathers its normed input along the sequence (`PrepareModuleInput`: Shard(1) ->
-Replicate) and reduce-scatters its output (`RowwiseParallel`'s partial sums -> Shard(1), `PrepareModuleOutput`).
+Replicate) and reduce-scatters its output (`RowwiseParallel`'s partial sums -> Shard(1), `PrepareModuleOutput`; an
+MoE sublayer's output, all-reduced by transformers' `moe_tp_experts`, is sliced instead).
 
 The family's base model computes the rotary embeddings and the attention mask for the whole sequence, which is what
 the gathered attention body sees. Around the stream:
@@ -18,12 +21,12 @@ the gathered attention body sees. Around the stream:
   head, not loss parallel: the family's own loss and `logits_to_keep` run unchanged).
 Every parameter is a DTensor on the mesh, as in torchtitan, so that optimizers (foreach ones included), gradient
 clipping and `torch.distributed.checkpoint` see one kind of parameter. Those outside the TP plan (pseudo-queries, key
-gains, the sublayer and final norms, per-head norms inside a body) are replicated; for the length of the base model's
-forward their modules hold local views of them (`to_local`, as FSDP2 swaps in its unsharded parameters), so that the
-stream and our ops see plain tensors; under activation checkpointing until the backward is over, since it recomputes
-whole decoder layers. A view that acts on this rank's tokens or heads only gets a partial gradient,
-all-reduced over the mesh in backward (transformers' `replicated_with_grad_allreduce`, Megatron's sequence-parallel
-norms); the final norm's acts on every token (gathered) and needs none.
+gains, the sublayer and final norms, per-head norms inside a body) are Replicate DTensors, and nothing swaps them:
+- the family's norms compute on DTensors (`ReplicatedCompute`, torchtitan's `SequenceParallel` for norms): their
+  input is declared as laid out (this rank's tokens, or its heads inside a body), so DTensor gives their weights a
+  Partial gradient that the optimizer and the clipping sum over the ranks;
+- our ops, which take plain tensors, read the pseudo-queries, key gains and fused norm weights through
+  `local_weight` (`to_local` with a Partial gradient), the same sum by the same path.
 
 A forward whose token count is not a multiple of P (a decode step: one token) runs with the residual state
 replicated instead: every layout above that says Shard(1) says Replicate for that forward, so the sublayer outputs
@@ -32,8 +35,6 @@ gradients needs the sharded layout (a multiple of P tokens).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,16 +45,21 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleOutput,
+    ParallelStyle,
     RowwiseParallel,
     parallelize_module,
 )
+from torch.utils._pytree import tree_map_only
 
-from attnres.distributed.data_parallel import collective
+from attnres.models.loading import ATTNRES_SUFFIXES
 
 SEQUENCE = Shard(1)  # [batch, seq, hidden]: the layout of the residual state between sublayers
-# what the family's transformers TP plan may say about a linear inside a sublayer body
-_LINEAR_STYLES = ("colwise", "rowwise")
-_LOCAL_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"  # a per-head norm: one of our replicated parameters
+HEADS = Shard(-2)  # [batch, seq, heads, head_dim]: a per-head norm's input inside an attention body
+_PER_HEAD_NORM = "replicated_with_grad_allreduce"  # a norm on this rank's heads, replicated
+# what the family's transformers TP plan may say inside a dense sublayer body
+_DENSE_STYLES = ("colwise", "rowwise", _PER_HEAD_NORM)
+# an MoE body: its experts module and the style transformers gives it
+_EXPERTS, _EXPERTS_STYLE = "experts", "moe_tp_experts"
 
 
 class TensorParallel:
@@ -69,10 +75,7 @@ class TensorParallel:
         self._shard_inputs: list[PrepareModuleInput] = []  # Replicate -> (sequence layout): the stream's start
         self._gather_inputs: list[PrepareModuleInput] = []  # (sequence layout) -> Replicate: bodies, final norm
         self._reduce_outputs: list[PrepareModuleOutput] = []  # partial sums -> (sequence layout): body outputs
-        self._replicated: list[_Replicated] = []
-        self._swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
-        self.held = False  # a caller that runs the layers itself (a pipeline chunk) began the forward
-        self.checkpointing = lambda: False  # whether the layers recompute themselves in backward
+        self._sequence_norms: list[ReplicatedCompute] = []  # norms on the residual side: (sequence layout)
 
     @property
     def world_size(self) -> int:
@@ -89,26 +92,9 @@ class TensorParallel:
         per_rank = seq_len // self.world_size
         return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
 
-    def begin(self, seq_len: int, held: bool = False) -> None:
-        """Start a forward of `seq_len` tokens: the layouts, and the local views of the replicated parameters.
-        `held`: the caller runs the decoder layers itself, outside the base model's forward (a pipeline chunk), and
-        calls `end` after them; the base model's hooks then leave both alone."""
-        self._use_layout(seq_len)
-        self._use_local_views()
-        self.held = held
-
-    def end(self, output: torch.Tensor) -> None:
-        """End a forward begun with `held=True`; `output` is what it returns (its backward ends the views' use when
-        the layers recompute themselves)."""
-        self.held = False
-        self._end_forward(output, self.checkpointing())
-
-    def _end_base_forward(self, output) -> None:
-        if not self.held:
-            self._end_forward(getattr(output, "last_hidden_state", None), self.checkpointing())
-
-    def _use_layout(self, seq_len: int) -> None:
-        """Switch every sequence-side layout for a forward of `seq_len` tokens (a base-model forward pre-hook).
+    def use_layout(self, seq_len: int) -> None:
+        """Switch every sequence-side layout for a forward of `seq_len` tokens: the base model's forward pre-hook, or
+        a caller that runs the decoder layers itself (a pipeline chunk).
 
         `PrepareModuleInput` and `PrepareModuleOutput` hooks read their style's layouts at each call, so setting them
         here switches the whole model."""
@@ -128,69 +114,50 @@ class TensorParallel:
             style.input_kwarg_layouts = dict.fromkeys(style.input_kwarg_layouts, layout)
         for style in self._reduce_outputs:
             style.desired_output_layouts = (layout, *style.desired_output_layouts[1:])
-
-    def _use_local_views(self) -> None:
-        """Give each replicated parameter's module a local view of it for this forward (a base-model pre-hook)."""
-        self._restore()  # a forward that raised before its post-hook ran, or whose backward never came
-        group = self.mesh.get_group()
-        for module, name, partial_grad in self._replicated:
-            param = module._parameters[name]  # whatever holds it now (FSDP may have swapped in its own)
-            self._swapped.append((module, name, param))
-            view = param.to_local()
-            module._parameters[name] = _SumGradOverRanks.apply(view, group) if partial_grad else view
-
-    def _end_forward(self, hidden, checkpointing: bool) -> None:
-        """Give the parameters back after the forward (a base-model hook), or, when activation checkpointing will
-        recompute layers in backward, once the backward is over: the recompute reads the same local views."""
-        if not (checkpointing and isinstance(hidden, torch.Tensor) and hidden.requires_grad):
-            self._restore()
-            return
-
-        def restore_after_backward(grad: torch.Tensor) -> torch.Tensor:
-            torch.autograd.Variable._execution_engine.queue_callback(self._restore)
-            return grad
-
-        hidden.register_hook(restore_after_backward)
-
-    def _restore(self) -> None:
-        for module, name, param in self._swapped:
-            module._parameters[name] = param
-        self._swapped.clear()
+        for style in self._sequence_norms:
+            style.layout = layout
 
 
-class _Replicated(NamedTuple):
-    module: nn.Module
-    name: str
-    partial_grad: bool  # its local view acts on this rank's tokens or heads only
+class ReplicatedCompute(ParallelStyle):
+    """A module outside the TP plan (a norm) whose parameters are Replicate DTensors, computed by DTensor: its plain
+    input is declared as `layout` lays it out (this rank's tokens, or its heads inside a body; read at each call), and
+    its output is plain again before any other forward hook of the module sees it. A norm that saw this rank's tokens
+    or heads only gives its weight a Partial gradient, which the optimizer and the clipping sum over the ranks."""
+
+    def __init__(self, layout: Placement):
+        super().__init__()
+        self.layout = layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor(module, args):
+            x, *rest = args
+            if isinstance(x, DTensor):
+                return None
+            return (DTensor.from_local(x, device_mesh, (self.layout,), run_check=False), *rest)
+
+        module.register_forward_pre_hook(to_dtensor)
+        module.register_forward_hook(lambda module, args, out: tree_map_only(DTensor, DTensor.to_local, out),
+                                     prepend=True)
+        return module
 
 
-class _SumGradOverRanks(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the ranks (Megatron's copy to the tensor-parallel region)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        collective(lambda: dist.all_reduce(grad, group=ctx.group), "summing a replicated parameter's gradient")
-        return grad, None
-
-
-def _replicate(tp: TensorParallel, model: nn.Module, whole: set[int]) -> None:
-    """Every parameter the TP plan left plain becomes a Replicate DTensor; the local views of those not in `whole`
-    (ids) sum their gradients over the ranks."""
-    for module in model.modules():
+def _replicate(model: nn.Module, mesh: DeviceMesh, computed: set[int]) -> None:
+    """Every parameter the TP plan left plain becomes a Replicate DTensor (the ranks hold the same values already).
+    Each must be read by DTensor (a `ReplicatedCompute` module's: ids in `computed`) or through `local_weight` (an
+    AttnRes query or key gain): one that a family module reads itself would meet plain activations."""
+    for prefix, module in model.named_modules():
         for name, param in list(module._parameters.items()):
             if param is None or isinstance(param, DTensor):
                 continue
+            if id(param) not in computed and not f"{prefix}.{name}".endswith(ATTNRES_SUFFIXES):
+                raise ValueError(
+                    f"model: tensor parallel cannot run {prefix}.{name}: it is neither in the family's TP plan, nor "
+                    f"a norm or an AttnRes weight that runs replicated"
+                )
             module._parameters[name] = nn.Parameter(
-                DTensor.from_local(param.detach(), tp.mesh, [Replicate()], run_check=False),
+                DTensor.from_local(param.detach(), mesh, [Replicate()], run_check=False),
                 requires_grad=param.requires_grad,
             )
-            tp._replicated.append(_Replicated(module, name, id(param) not in whole))
 
 
 def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None) -> TensorParallel:
@@ -217,7 +184,8 @@ def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None) -> Tens
         model.plan_layers()
     base = model.model
     layers = [layer for layer in base.layers if layer.sides]  # a pipeline stage: its own
-    body_plan = _body_plan(model.config, layers[0].sides, mesh.size())
+    _check_sizes(model.config, mesh.size())
+    family_plan = _family_plan(model.config, layers[0].sides)
     tp = TensorParallel(mesh)
 
     embed = getattr(base, "embed_tokens", None)  # None on a pipeline stage without the embedding
@@ -225,56 +193,82 @@ def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None) -> Tens
     tied = head is not None and embed is not None and head.weight is embed.weight
     if embed is not None:
         parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    computed: set[int] = set()  # the plain parameters DTensor computes with (ReplicatedCompute modules')
+
+    def compute_replicated(module: nn.Module, style: ReplicatedCompute) -> None:
+        parallelize_module(module, mesh, style)
+        computed.update(id(p) for p in module.parameters())
+
     for layer in layers:
         for side in layer.sides:
-            _parallelize_body(tp, getattr(layer, side.body), side, body_plan[side.body], mesh)
+            body = getattr(layer, side.body)
+            plan = _body_plan(model.config, side.body, body, family_plan[side.body], mesh.size())
+            _parallelize_body(tp, body, side, plan, mesh)
+            for name, style in plan.items():
+                if style == _PER_HEAD_NORM:  # this rank's heads
+                    compute_replicated(body.get_submodule(name), ReplicatedCompute(HEADS))
+            if _is_moe(plan):  # the router sees every token (the body's gathered input)
+                for name, child in body.named_children():
+                    if name != _EXPERTS:
+                        compute_replicated(child, ReplicatedCompute(Replicate()))
+            for name in (side.norm, *(name for name, _ in side.post)):  # on the residual side: this rank's tokens
+                tp._sequence_norms.append(ReplicatedCompute(SEQUENCE))
+                compute_replicated(getattr(layer, name), tp._sequence_norms[-1])
     if embed is not None:  # the stream starts at layer 0, on the rank that embeds
         tp._shard_inputs.append(PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=SEQUENCE,
                                                    use_local_output=True))
         parallelize_module(base.layers[0], mesh, tp._shard_inputs[-1])
-    if head is not None:  # the stream ends at the final norm, on the rank with the head
-        tp._gather_inputs.append(PrepareModuleInput(input_layouts=SEQUENCE, desired_input_layouts=Replicate(),
-                                                    use_local_output=True))
+    if head is not None:  # the stream ends at the final norm, on the rank with the head: every token, gathered
+        tp._gather_inputs.append(PrepareModuleInput(input_layouts=SEQUENCE, desired_input_layouts=Replicate()))
         parallelize_module(base.norm, mesh, tp._gather_inputs[-1])
+        compute_replicated(base.norm, ReplicatedCompute(Replicate()))
         parallelize_module(head, mesh, ColwiseParallel(output_layouts=Replicate()))
         if tied:
             head.weight = embed.weight  # both vocabulary rows, Shard(0): one parameter again
-    # the final norm sees every token (gathered); every other replicated parameter this rank's tokens or heads only
-    _replicate(tp, model, whole={id(p) for p in base.norm.parameters()} if head is not None else set())
-    tp.checkpointing = lambda: any(layer.gradient_checkpointing and layer.training for layer in layers)
+    _replicate(model, mesh, computed)
     base.register_forward_pre_hook(_forward_hook(tp), with_kwargs=True)
-    base.register_forward_hook(lambda module, args, output: tp._end_base_forward(output), always_call=True)
     return tp
 
 
 def _forward_hook(tp: TensorParallel):
-    """A base-model forward pre-hook: the layout of this forward, from its token count, and the local views."""
+    """A base-model forward pre-hook: the layout of this forward, from its token count."""
     def begin(module, args, kwargs):
-        if tp.held:
-            return
         tokens = kwargs.get("input_ids")
         tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
         tokens = args[0] if tokens is None and args else tokens
-        tp.begin(tokens.shape[1])
+        tp.use_layout(tokens.shape[1])
 
     return begin
 
 
-def _parallelize_body(tp: TensorParallel, body: nn.Module, side, linears: dict[str, str], mesh: DeviceMesh) -> None:
-    """Heads or columns of one sublayer body over the mesh, its input gathered along the sequence (kept a Replicate
-    DTensor into the linears, so that backward reduce-scatters the summed input gradient once) and its output
-    reduced back to the sequence layout as local tensors."""
-    for name, style in linears.items():
-        if style == "colwise":
-            parallelize_module(body, mesh, {name: ColwiseParallel()})
-        else:  # the body's output projection: partial sums, reduced by the body's output hook
-            parallelize_module(body, mesh, {name: RowwiseParallel(output_layouts=Partial(), use_local_output=False)})
+def _parallelize_body(tp: TensorParallel, body: nn.Module, side, plan: dict[str, str], mesh: DeviceMesh) -> None:
+    """Heads, columns or expert columns of one sublayer body over the mesh, its input gathered along the sequence
+    (kept a Replicate DTensor, so that backward reduce-scatters the summed input gradient once) and its output
+    reduced back to the sequence layout as local tensors.
+
+    A dense body's output projection leaves partial sums, reduce-scattered by the body's output hook. An MoE body's
+    experts run transformers' own TP styles ("packed_colwise", "rowwise" on the 3-D expert weights, and
+    "moe_tp_experts", which all-reduces their output and their input gradients); its output is then whole, and the
+    output hook keeps this rank's tokens."""
+    if _is_moe(plan):
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        apply_tensor_parallelism(body, mesh, plan)
+        output: Placement = Replicate()
+    else:
+        for name, style in plan.items():
+            if style == "colwise":
+                parallelize_module(body, mesh, {name: ColwiseParallel()})
+            elif style == "rowwise":
+                parallelize_module(body, mesh,
+                                   {name: RowwiseParallel(output_layouts=Partial(), use_local_output=False)})
+        output = Partial()
     if side.body_kwarg_input:
         gather = PrepareModuleInput(input_kwarg_layouts={"hidden_states": SEQUENCE},
                                     desired_input_kwarg_layouts={"hidden_states": Replicate()})
     else:
         gather = PrepareModuleInput(input_layouts=SEQUENCE, desired_input_layouts=Replicate())
-    outputs: tuple[Placement | None, ...] = (Partial(), None) if side.tuple_output else (Partial(),)
+    outputs: tuple[Placement | None, ...] = (output, None) if side.tuple_output else (output,)
     reduce = PrepareModuleOutput(output_layouts=outputs, desired_output_layouts=(SEQUENCE, *outputs[1:]))
     parallelize_module(body, mesh, gather)
     parallelize_module(body, mesh, reduce)
@@ -282,33 +276,80 @@ def _parallelize_body(tp: TensorParallel, body: nn.Module, side, linears: dict[s
     tp._reduce_outputs.append(reduce)
 
 
-def _body_plan(config, sides, world_size: int) -> dict[str, dict[str, str]]:
-    """{body name: {linear name: "colwise" | "rowwise"}} from the family's transformers TP plan, checked."""
-    family = config.base_model_type
-    text = config.text_config
-    plan = getattr(text, "base_model_tp_plan", None) or {}
+def _is_moe(plan: dict[str, str]) -> bool:
+    return plan.get(_EXPERTS) == _EXPERTS_STYLE
+
+
+def _family_plan(config, sides) -> dict[str, dict[str, str]]:
+    """{body name: {path inside the body: style}}: the family's transformers TP plan on the decoder layers' bodies."""
+    plan = getattr(config.text_config, "base_model_tp_plan", None) or {}
     bodies = {side.body: {} for side in sides}
     for key, style in plan.items():
-        parts = key.split(".")
-        if parts[:2] != ["layers", "*"] or len(parts) < 3 or parts[2] not in bodies:
-            continue
-        if len(parts) == 4 and style in _LINEAR_STYLES:
-            bodies[parts[2]][parts[3]] = style
-        elif len(parts) != 4 or style != _LOCAL_GRAD_ALLREDUCE:
+        layers, star, body, *path = key.split(".")
+        if (layers, star) == ("layers", "*") and body in bodies and path:
+            bodies[body][".".join(path)] = style
+    return bodies
+
+
+def _body_plan(config, name: str, body: nn.Module, entries: dict[str, str], world_size: int) -> dict[str, str]:
+    """The entries of the family plan that name something this body has (an MoE model's dense layers have no
+    experts, its sparse ones no dense projections), checked: a dense body (column-parallel input projections, one
+    row-parallel output projection, per-head norms) or an MoE body (transformers' expert styles, nothing else)."""
+    family = config.base_model_type
+    plan = {path: style for path, style in entries.items() if _has(body, path)}
+    if _is_moe(plan):
+        allowed = {_EXPERTS: (_EXPERTS_STYLE,), f"{_EXPERTS}.gate_up_proj": ("packed_colwise",),
+                   f"{_EXPERTS}.down_proj": ("rowwise",)}
+        wrong = {path: style for path, style in plan.items() if style not in allowed.get(path, ())}
+        if wrong or len(plan) != len(allowed):
             raise ValueError(
-                f"base_model_type: the {family!r} TP plan shards {key!r} as {style!r}; AttnRes tensor parallel "
-                f"supports colwise/rowwise linears (dense attention and MLP), not {style!r}"
+                f"base_model_type: the {family!r} TP plan gives the experts of sublayer {name!r} {plan}; AttnRes "
+                f"tensor parallel runs MoE sublayers whose only sharded parts are transformers' expert styles "
+                f"(packed_colwise gate_up_proj, rowwise down_proj, moe_tp_experts)"
             )
-    for body, linears in bodies.items():
-        if list(linears.values()).count("rowwise") != 1 or "colwise" not in linears.values():
-            raise ValueError(
-                f"base_model_type: the {family!r} transformers TP plan gives sublayer {body!r} {linears or 'nothing'}; "
-                f"tensor parallel needs column-parallel input projections and one row-parallel output projection"
-            )
+        experts = body.get_submodule(_EXPERTS)
+        _check_split(family, f"{name}.{_EXPERTS}.down_proj", experts.down_proj.shape[-1], world_size)
+        return plan
+    wrong = {path: style for path, style in plan.items() if "." in path or style not in _DENSE_STYLES}
+    if wrong:
+        path, style = next(iter(wrong.items()))
+        raise ValueError(
+            f"base_model_type: the {family!r} TP plan shards 'layers.*.{name}.{path}' as {style!r}; AttnRes tensor "
+            f"parallel supports colwise/rowwise linears, per-head norms and transformers' MoE expert styles"
+        )
+    styles = list(plan.values())
+    if styles.count("rowwise") != 1 or "colwise" not in styles:
+        raise ValueError(
+            f"base_model_type: the {family!r} transformers TP plan gives sublayer {name!r} {plan or 'nothing'}; "
+            f"tensor parallel needs column-parallel input projections and one row-parallel output projection"
+        )
+    for path, style in plan.items():
+        if style == "colwise":
+            _check_split(family, f"{name}.{path}", body.get_submodule(path).out_features, world_size)
+    return plan
+
+
+def _has(body: nn.Module, path: str) -> bool:
+    owner, _, leaf = path.rpartition(".")
+    try:
+        module = body.get_submodule(owner)
+    except AttributeError:
+        return False
+    return isinstance(getattr(module, leaf, None), (nn.Module, nn.Parameter))
+
+
+def _check_split(family: str, name: str, size: int, world_size: int) -> None:
+    if size % world_size:
+        raise ValueError(f"mesh: the {family!r} {name} has {size} columns, which do not split over {world_size} "
+                         f"tensor-parallel ranks")
+
+
+def _check_sizes(config, world_size: int) -> None:
+    """Heads and vocabulary rows split evenly over the ranks (whole heads: the attention reshapes by them)."""
+    text = config.text_config
     sizes = {"num_attention_heads": text.num_attention_heads,
              "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-             "intermediate_size": text.intermediate_size, "vocab_size": text.vocab_size}
+             "vocab_size": text.vocab_size}
     for name, size in sizes.items():
         if size % world_size:
             raise ValueError(f"mesh: {name} = {size} does not split over {world_size} tensor-parallel ranks")
-    return bodies

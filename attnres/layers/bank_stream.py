@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from attnres.layers.depth_attention import local_weight
 from attnres.layers.streams import BlockStream, ResidualState
 from attnres.ops.backends import select_backend
 from attnres.ops.bank import bank_aggregate, bank_aggregate_op, bank_merge, bank_merge_op, bank_rows
@@ -82,7 +83,7 @@ class BankStream(BlockStream):
         if self.point == self._phase1_end and not write:
             self._score_group(self._block_points())
         num_sources = self.nvb + 1
-        out_w = None if norm is None else norm.weight
+        out_w = None if norm is None else local_weight(norm.weight)
         out_eps = point.eps if norm is None else self._out_eps(norm, num_sources)
         c = point.folded_query(self.acc)
         if self._phase1_stats is not None and not write:

@@ -10,6 +10,21 @@ from torch import nn
 from attnres.ops import depth_attention
 from attnres.ops.depth_attention import fold_query
 
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def local_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` as the plain tensor our ops take. Under tensor parallel it is a Replicate DTensor, and an aggregation
+    point applies it to this rank's tokens only: its local copy then gets this rank's share of the gradient, which
+    DTensor sums over the ranks (Partial) when the optimizer or the gradient clipping reads it."""
+    if type(weight) in _PLAIN:
+        return weight
+    from torch.distributed.tensor import DTensor, Partial  # only a tensor-parallel model gets here: imported then
+
+    if isinstance(weight, DTensor):
+        return weight.to_local(grad_placements=[Partial()] * weight.device_mesh.ndim)
+    return weight
+
 
 class RMSNorm(nn.Module):
     """y = weight * x * rsqrt(mean(x^2) + eps), computed in fp32 and cast back (the Llama convention)."""
@@ -93,10 +108,10 @@ class DepthAttention(nn.Module):
             out_eps = out_norm.eps
         return depth_attention(
             sources,
-            self.proj.weight,
-            self.norm.weight,
+            local_weight(self.proj.weight),
+            local_weight(self.norm.weight),
             eps=self.eps,
-            out_norm_weight=None if out_norm is None else out_norm.weight,
+            out_norm_weight=None if out_norm is None else local_weight(out_norm.weight),
             out_eps=out_eps,
             return_weights=return_weights,
         )
@@ -109,7 +124,7 @@ class DepthAttention(nn.Module):
         optimizers and `.data` writes change a weight in place without bumping its version counter (docs/design.md
         section 11).
         """
-        return fold_query(self.proj.weight, self.norm.weight, dtype)
+        return fold_query(local_weight(self.proj.weight), local_weight(self.norm.weight), dtype)
 
     def reset_parameters(self) -> None:
         self.proj.reset_parameters()

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from attnres.layers.depth_attention import DepthAttention, RMSNorm
+from attnres.layers.depth_attention import DepthAttention, RMSNorm, local_weight
 from attnres.ops import depth_stats, merge_prefix
 from attnres.ops.backends import TORCH, backend_for
 from attnres.ops.two_phase import SoftmaxStats
@@ -268,8 +268,8 @@ class BlockStream(ResidualStream):
     def _score_block(self) -> SoftmaxStats:
         """Phase 1: every point of the block against the completed rows, each row read once."""
         points = [self.points[k] for k in self._block_points()]
-        queries = torch.cat([p.proj.weight for p in points])
-        gains = torch.stack([p.norm.weight for p in points])
+        queries = torch.cat([local_weight(p.proj.weight) for p in points])
+        gains = torch.stack([local_weight(p.norm.weight) for p in points])
         self._phase1_start = self.point
         return depth_stats(self.bank, queries, gains, eps=points[0].eps)
 
@@ -279,10 +279,10 @@ class BlockStream(ResidualStream):
         out = merge_prefix(
             SoftmaxStats(*(s[t] for s in self._phase1)),
             self.prefix,
-            point.proj.weight,
-            point.norm.weight,
+            local_weight(point.proj.weight),
+            local_weight(point.norm.weight),
             eps=point.eps,
-            out_norm_weight=None if norm is None else norm.weight,
+            out_norm_weight=None if norm is None else local_weight(norm.weight),
             out_eps=point.eps if norm is None else self._out_eps(norm, num_sources),
             dtype=self.bank[0].dtype,
             sources=self.bank,  # the backward recomputes u from the rows: no [N, d] fp32 kept per point

@@ -28,7 +28,7 @@ from attnres.training.config import TrainConfig
 
 class MeshSteps:
     """A mesh without pipeline stages: tensor parallel over "tp" (`parallelize_tensor`), then FSDP2 over the
-    data-parallel dimensions (per decoder layer; the root only under tensor parallel), or DDP for replicas alone.
+    data-parallel dimensions (per decoder layer, then the root), or DDP for replicas alone.
     Each data-parallel rank takes its rows of the global batch; the tensor-parallel ranks of one row share them."""
 
     def __init__(self, model: nn.Module, config: TrainConfig, ranks: Ranks, dims: ParallelDims, mesh):
@@ -39,7 +39,7 @@ class MeshSteps:
         if dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.tp == 1:
             self.trained = apply_ddp(model)
         elif dims.dp > 1:
-            apply_fsdp(model, dp_mesh(mesh), per_layer=dims.tp == 1)
+            apply_fsdp(model, dp_mesh(mesh))
         self.rows = (dp_rank(mesh), dims.dp) if mesh is not None else (0, 1)
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
 

@@ -1,6 +1,7 @@
 """Tensor + sequence parallel on 2 gloo ranks equals one process: logits, loss, every gradient and the residual state
-(each rank's token rows), for standard, Full and Block (and a tied head); then a prefill with a KV cache and one
-decode step, and `generate`; FSDP2 x TP on a 1 x 2 and a 2 x 1 mesh."""
+(each rank's token rows), for standard, Full and Block (and a tied head), per-head norms (Qwen3) and MoE experts
+(Qwen3-MoE, Mixtral); then a prefill with a KV cache and one decode step, and `generate`; FSDP2 x TP on a 1 x 2 and
+a 2 x 1 mesh."""
 
 import copy
 
@@ -8,10 +9,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from attnres.distributed import parallelize_tensor
+from attnres.distributed import apply_fsdp, parallelize_tensor
 from attnres.layers.streams import ResidualState
 from attnres.models import AttnResConfig, AttnResForCausalLM
 from tests.distributed.workers import run_ranks
@@ -23,6 +23,10 @@ CASES = {
     "block": {"residual": "block", "attn_res_block_size": 2},
     "block, tied head": {"residual": "block", "attn_res_block_size": 1, "tie_word_embeddings": True},
     "qwen3 (per-head norms in the attention)": {"base_model_type": "qwen3", "residual": "full", "head_dim": 8},
+    # experts over the ranks by transformers' own expert styles; layer 1 dense (an MoE model's mlp_only_layers)
+    "qwen3_moe": {"base_model_type": "qwen3_moe", "residual": "block", "attn_res_block_size": 2, "head_dim": 8,
+                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": [1]},
+    "mixtral": {"base_model_type": "mixtral", "residual": "full", "num_local_experts": 4, "num_experts_per_tok": 2},
 }
 BATCH, SEQ = 2, 8
 
@@ -84,8 +88,7 @@ def _check_decode(model, ref, tp, input_ids) -> tuple[int, ...]:
 
 
 def _check_checkpointing(input_ids, case: str = "block") -> None:
-    """Activation checkpointing recomputes whole decoder layers in backward, their collectives included, reading the
-    replicated parameters' local views (which last until the backward is over)."""
+    """Activation checkpointing recomputes whole decoder layers in backward, their collectives included."""
     ref = _model(case)
     model = copy.deepcopy(ref)
     parallelize_tensor(model)
@@ -95,7 +98,7 @@ def _check_checkpointing(input_ids, case: str = "block") -> None:
     grads_ref = {name: p.grad for name, p in ref.named_parameters()}
     for name, p in model.named_parameters():
         torch.testing.assert_close(_full(p.grad), grads_ref[name], msg=name)
-    assert all(isinstance(p, DTensor) for p in model.parameters())  # the views were given back after backward
+    assert all(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _check_optimizer_steps(input_ids) -> None:
@@ -123,15 +126,16 @@ def _check_optimizer_steps(input_ids) -> None:
 
 
 def _check_fsdp_by_tp(input_ids) -> None:
-    """2-D: FSDP2 (`fully_shard` over "dp") on the tensor-parallel model (over "tp"), torchtitan's order, on a 1 x 2
-    and a 2 x 1 mesh: each dp rank takes its rows of the batch, and the gradients are the one-process ones."""
+    """2-D: FSDP2 (`apply_fsdp` over "dp": a group per decoder layer, then the root) on the tensor-parallel model
+    (over "tp"), torchtitan's order, on a 1 x 2 and a 2 x 1 mesh: each dp rank takes its rows of the batch, and the
+    gradients are the one-process ones."""
     ref = _model("block")
     ref(input_ids, labels=input_ids).loss.backward()
     for shape in ((1, 2), (2, 1)):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
         model = _model("block")
         parallelize_tensor(model, mesh["tp"])
-        fully_shard(model, mesh=mesh["dp"])
+        apply_fsdp(model, mesh["dp"])
         rows = input_ids.chunk(shape[0])[mesh["dp"].get_local_rank()]
         model(rows, labels=rows).loss.backward()
         for name, p in model.named_parameters():
@@ -148,8 +152,11 @@ def tensor_parallel_checks(rank: int) -> dict:
         _check_training(model, ref, tp, input_ids[:, :SEQ])
         cache_shape = _check_decode(model.eval(), ref.eval(), tp, input_ids)
         q_proj = model.model.layers[0].self_attn.q_proj.weight
+        experts = getattr(model.model.layers[0].mlp, "experts", None)
         results[case] = {"q_proj": tuple(q_proj.to_local().shape), "cache_keys": cache_shape,
-                         "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+                         "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+                         "experts": experts and [tuple(p.to_local().shape) for p in (experts.gate_up_proj,
+                                                                                      experts.down_proj)]}
     # a checkpoint: torch.distributed.checkpoint gathers the whole weights, the one-process model's
     whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     torch.testing.assert_close(whole, ref.state_dict())
@@ -166,9 +173,8 @@ def tensor_parallel_checks(rank: int) -> dict:
     _check_checkpointing(input_ids[:, :SEQ], "qwen3 (per-head norms in the attention)")  # replicated inside a body
     with pytest.raises(ValueError, match="num_key_value_heads = 1 does not split over 2"):
         parallelize_tensor(_model("standard", num_key_value_heads=1))
-    moe = dict(base_model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8)
-    with pytest.raises(ValueError, match="the 'qwen3_moe' TP plan shards 'layers.*.mlp.experts"):
-        parallelize_tensor(_model("standard", **moe))
+    with pytest.raises(ValueError, match="the 'qwen3_moe' mlp.experts.down_proj has 5 columns, which do not split"):
+        parallelize_tensor(_model("qwen3_moe", moe_intermediate_size=5, mlp_only_layers=[]))
     return results
 
 
@@ -190,6 +196,9 @@ def test_tensor_parallel_equals_one_process(tp_results):
             assert result[case]["q_proj"] == (heads // 2 * head_dim, d)
             assert result[case]["cache_keys"] == (BATCH, kv // 2, SEQ + 1, head_dim)
             assert result[case]["tied"] == CASES[case].get("tie_word_embeddings", False)
+            moe = CASES[case].get("moe_intermediate_size", TINY["intermediate_size"])  # Mixtral's: intermediate_size
+            experts = [(4, moe, d), (4, d, moe // 2)] if "num_experts_per_tok" in CASES[case] else None
+            assert result[case]["experts"] == experts  # each rank: half of every expert's columns
 
 
 def test_needs_a_mesh_or_a_process_group():
