@@ -46,6 +46,7 @@ from torch import nn
 from attnres.distributed.data_parallel import (
     RankFailed, collective, collective_device, is_collective_error, lost_rank_message,
 )
+from attnres.layers.kinds import BLOCK, FULL, STANDARD
 from attnres.layers.streams import ResidualState
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -69,7 +70,7 @@ class PipelinePlan:
     @property
     def head_rows(self) -> int:
         """1 for the tensor that travels beside the rows (Block prefix, standard hidden sum); Full has none."""
-        return 0 if self.residual == "full" else 1
+        return 0 if self.residual == FULL else 1
 
     def rank_of(self, stage: int) -> int:
         """The rank that runs chunk `stage`."""
@@ -81,9 +82,9 @@ class PipelinePlan:
 
     def rows_after(self, layers: int) -> int:
         """Rows of the residual state after the first `layers` decoder layers (Block bank, Full sources)."""
-        if self.residual == "block":
+        if self.residual == BLOCK:
             return -(-layers // self.block_size)  # one row per write layer (layer % S == 0) done
-        if self.residual == "full":
+        if self.residual == FULL:
             return 1 + 2 * layers
         return 0
 
@@ -98,7 +99,7 @@ class PipelinePlan:
 
     def keeps_rows(self, stage: int) -> bool:
         """Whether `stage`'s rank runs a later virtual stage that uses the rows `stage` ends with."""
-        return self.cache_rows and self.residual != "standard" and stage + self.ranks < self.num_stages
+        return self.cache_rows and self.residual != STANDARD and stage + self.ranks < self.num_stages
 
 
 def hop_bytes(plan: PipelinePlan, micro_batch: int, seq_len: int, hidden: int, element_size: int) -> list[int]:
@@ -193,7 +194,7 @@ class PipelineChunk(nn.Module):
             self.embed_tokens = inner.embed_tokens
         if self.is_last:
             self.norm, self.lm_head = inner.norm, model.lm_head
-            if plan.residual != "standard":  # the final read's parameters
+            if plan.residual != STANDARD:  # the final read's parameters
                 self.output_attn_res_proj = inner.output_attn_res_proj
                 self.output_attn_res_norm = inner.output_attn_res_norm
         # in a tuple, not registered: the chunk's parameters are only those it runs
