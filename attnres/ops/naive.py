@@ -6,8 +6,6 @@ tested against, not something to train with.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from attnres.ops.checks import check_depth_attention, check_depth_stats
@@ -21,16 +19,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
 
 
 def naive_depth_attention(
-    sources: Sequence[torch.Tensor] | torch.Tensor,
-    query: torch.Tensor,
-    key_norm_weight: torch.Tensor | None = None,
-    *,
-    eps: float = 1e-6,
-    out_norm_weight: torch.Tensor | None = None,
-    out_eps: float | None = None,
-    return_weights: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Twin of `attnres.depth_attention`: same signature, same result, computed the obvious way."""
+    sources, query, key_norm_weight=None, *, eps=1e-6, out_norm_weight=None, out_eps=None, return_weights=False
+):
+    """Twin of `attnres.depth_attention` (same signature, types and checks there), computed the obvious way."""
     xs, eps, out_eps = check_depth_attention(sources, query, key_norm_weight, eps, out_norm_weight, out_eps)
     d = xs[0].shape[-1]
     acc = accumulator_dtype(xs[0].dtype)  # fp32, or fp64 for fp64 inputs
@@ -46,14 +37,9 @@ def naive_depth_attention(
     return (out, weights) if return_weights else out
 
 
-def naive_depth_stats(
-    sources: Sequence[torch.Tensor] | torch.Tensor,
-    queries: torch.Tensor,
-    key_norm_weights: torch.Tensor | None = None,
-    *,
-    eps: float = 1e-6,
-) -> SoftmaxStats:
-    """Twin of `attnres.depth_stats`: the softmax statistics of S queries over the sources, from the stacked scores."""
+def naive_depth_stats(sources, queries, key_norm_weights=None, *, eps=1e-6):
+    """Twin of `attnres.depth_stats` (same signature, types and checks there): the softmax statistics of S queries over
+    the sources, from the stacked scores."""
     xs, eps = check_depth_stats(sources, queries, key_norm_weights, eps)
     acc = accumulator_dtype(xs[0].dtype)
     v = torch.stack(xs).to(acc)  # [R, ..., d]

@@ -227,7 +227,7 @@ def test_bad_arguments_name_the_argument(case):
     fused = backends._cpu_backend()  # the CPU backend's ops, which an inference stream calls directly
     op = fused.bank_aggregate if kwargs.pop("op") == "aggregate" else fused.bank_merge
     with pytest.raises(error, match=rf"^{name}:"):
-        op(**kwargs)
+        op(*kwargs.values())  # in the order of the op's parameters, as the inference stream passes them
 
 
 def test_dispatch_validates_before_mutating():

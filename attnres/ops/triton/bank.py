@@ -24,14 +24,13 @@ import triton.language as tl
 from attnres.ops.triton.depth_attention import (
     MAX_D,
     TORCH_TO_TRITON,
-    block_tokens,
     contiguous_or_none,
-    distinct_tiles,
     online_softmax_update,
     output_norm,
     padded_width,
+    row_tiles,
     score_source,
-    tile_configs,
+    token_tile,
 )
 
 
@@ -56,26 +55,16 @@ def pending_add(prefix_ptrs, output, offsets, mask, HAS_OUTPUT: tl.constexpr, DT
     return p
 
 
-@triton.autotune(
-    configs=tile_configs((1024, 4096, 8192), (4, 8, 16)),
-    key=["D", "OUT_NORM", "DTYPE"],
-    prune_configs_by={"early_config_prune": distinct_tiles},
-    # autotuning runs the kernel many times: each run starts from the saved prefix, and then writes the same bank row
-    # (no row the kernel reads), so the prefix is the only state to restore (a bank copy would swamp the timings)
-    restore_value=["prefix"],
-)
-@triton.heuristics({"BLOCK_T": block_tokens})
+# autotuning runs the kernel many times: each run starts from the saved prefix, and then writes the same bank row (no
+# row the kernel reads), so the prefix is the only state to restore (a bank copy would swamp the timings)
+@row_tiles(key=["D", "OUT_NORM", "DTYPE"], restore_value=["prefix"])
 @triton.jit
 def bank_aggregate_kernel(
     bank, prefix, output, c, out_weight, out, N, nvb, bank_stride_t, bank_stride_r, prefix_stride, eps, out_eps,
     D: tl.constexpr, D_PAD: tl.constexpr, HAS_OUTPUT: tl.constexpr, WRITE: tl.constexpr, OUT_NORM: tl.constexpr,
     DTYPE: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    cols = tl.arange(0, D_PAD)
-    col_ok = cols < D
-    mask = (rows < N)[:, None] & col_ok[None, :]
-    offsets = rows[:, None] * D + cols[None, :]  # output and out are contiguous [N, d]
+    rows, cols, _, col_ok, mask, offsets = token_tile(tl.program_id(0), N, D, D_PAD, BLOCK_T)  # output, out: [N, d]
     bank_tile = bank + (rows * bank_stride_t)[:, None] + cols[None, :]  # row 0 of each token's bank
 
     p = pending_add(prefix + (rows * prefix_stride)[:, None] + cols[None, :], output, offsets, mask, HAS_OUTPUT, DTYPE)
@@ -97,25 +86,14 @@ def bank_aggregate_kernel(
     tl.store(out + offsets, round_to(mix, DTYPE), mask=mask)
 
 
-@triton.autotune(
-    configs=tile_configs((1024, 4096, 8192), (4, 8, 16)),
-    key=["D", "OUT_NORM", "DTYPE"],
-    prune_configs_by={"early_config_prune": distinct_tiles},
-    restore_value=["prefix"],
-)
-@triton.heuristics({"BLOCK_T": block_tokens})
+@row_tiles(key=["D", "OUT_NORM", "DTYPE"], restore_value=["prefix"])
 @triton.jit
 def bank_merge_kernel(
     m_in, z_in, u_in, prefix, output, c, out_weight, out, N, prefix_stride, eps, out_eps,
     D: tl.constexpr, D_PAD: tl.constexpr, HAS_OUTPUT: tl.constexpr, OUT_NORM: tl.constexpr, DTYPE: tl.constexpr,
     TILE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    cols = tl.arange(0, D_PAD)
-    row_ok = rows < N
-    col_ok = cols < D
-    mask = row_ok[:, None] & col_ok[None, :]
-    offsets = rows[:, None] * D + cols[None, :]  # output, u and out are contiguous [N, d]
+    rows, cols, row_ok, col_ok, mask, offsets = token_tile(tl.program_id(0), N, D, D_PAD, BLOCK_T)  # output, u, out
 
     p = pending_add(prefix + (rows * prefix_stride)[:, None] + cols[None, :], output, offsets, mask, HAS_OUTPUT, DTYPE)
     x = p.to(tl.float32)

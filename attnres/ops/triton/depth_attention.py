@@ -1,4 +1,4 @@
-"""Triton kernels of the depth-attention operator, with the contract of `attnres::depth_attention_fwd/bwd`.
+"""Triton kernels of the depth-attention operator (`attnres::depth_attention_fwd/bwd`).
 
 Layout: a program owns BLOCK_T tokens and their whole row of d channels, padded to the power of two D_PAD and masked
 at the tail, so any d works and every reduction (sum of squares, score, output norm) stays in registers in fp32. The
@@ -81,6 +81,18 @@ def tiles_within(row_elements: int):
         return [cfg for cfg in kept if per_thread[id(cfg)] <= max(row_elements, fewest)]
 
     return prune
+
+
+def row_tiles(key: list[str], tiles: tuple[int, ...] = (1024, 4096, 8192), prune=distinct_tiles, **autotune_options):
+    """The launch setup of a kernel whose programs own whole token rows: autotuned over `tile_configs(tiles)` with 4, 8
+    or 16 warps, pruned by `prune`, keyed on the constexprs `key`, and BLOCK_T derived from the chosen TILE."""
+
+    def setup(kernel):
+        tuned = triton.autotune(configs=tile_configs(tiles, (4, 8, 16)), key=key,
+                                prune_configs_by={"early_config_prune": prune}, **autotune_options)
+        return tuned(triton.heuristics({"BLOCK_T": block_tokens})(kernel))
+
+    return setup
 
 
 def padded_width(d: int) -> int:
@@ -191,10 +203,40 @@ def output_norm(mix, out_weight, cols, col_ok, out_eps, D: tl.constexpr, OUT_NOR
 
 
 @triton.jit
+def token_tile(block, N, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Token block `block`: its tokens `rows` (int64: offsets that scale with tokens * d pass 2^31) and channels `cols`,
+    which of each are in range, the tile's mask, and the tile's offsets in a contiguous `[N, d]` tensor."""
+    rows = (block * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    cols = tl.arange(0, D_PAD)
+    row_ok = rows < N
+    col_ok = cols < D
+    return rows, cols, row_ok, col_ok, row_ok[:, None] & col_ok[None, :], rows[:, None] * D + cols[None, :]
+
+
+@triton.jit
+def output_norm_backward(grad, mix, d_weight, out_weight, cols, col_ok, out_eps, D: tl.constexpr):
+    """The backward of `output_norm` over a tile (fp32 `[BLOCK_T, D_PAD]`): (the gradient reaching mix, the gain's
+    gradient `[D_PAD]` with the tile's share added), from the gradient of o * RMSNorm(mix)."""
+    rstd = tl.rsqrt(tl.sum(mix * mix, 1) / D + out_eps)
+    normed = mix * rstd[:, None]
+    d_weight += tl.sum(grad * normed, 0)
+    # the gain is loaded where used (a cache hit): held across a kernel's token loop it would spill at large d
+    grad = grad * tl.load(out_weight + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return (grad - normed * (tl.sum(grad * normed, 1) / D)[:, None]) * rstd[:, None], d_weight
+
+
+@triton.jit
 def score_source(x, cv, eps, D: tl.constexpr):
     """(key rstd, score) `[BLOCK_T]` of a source tile x `[BLOCK_T, D_PAD]` (fp32) against the folded query cv."""
     r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
     return r, tl.sum(x * cv[None, :], 1) * r
+
+
+@triton.jit
+def online_softmax_start(BLOCK_T: tl.constexpr, D_PAD: tl.constexpr):
+    """(m, z, acc) over no source yet, where `online_softmax_update` starts."""
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    return m, tl.zeros([BLOCK_T], tl.float32), tl.zeros([BLOCK_T, D_PAD], tl.float32)
 
 
 @triton.jit
@@ -207,30 +249,18 @@ def online_softmax_update(m, z, acc, s, x):
     return m_new, z * rescale + p, acc * rescale[:, None] + p[:, None] * x
 
 
-@triton.autotune(
-    configs=tile_configs((1024, 4096, 8192), (4, 8, 16)),
-    key=["D", "OUT_NORM", "DTYPE"],
-    prune_configs_by={"early_config_prune": distinct_tiles},
-)
-@triton.heuristics({"BLOCK_T": block_tokens})
+@row_tiles(key=["D", "OUT_NORM", "DTYPE"])
 @triton.jit
 def depth_attention_fwd_kernel(
     table, c, out_weight, out, weights, rstd, N, R, eps, out_eps,
     D: tl.constexpr, D_PAD: tl.constexpr, OUT_NORM: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
     TILE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    cols = tl.arange(0, D_PAD)
-    row_ok = rows < N
-    col_ok = cols < D
-    mask = row_ok[:, None] & col_ok[None, :]
-    offsets = rows[:, None] * D + cols[None, :]
+    rows, cols, row_ok, col_ok, mask, offsets = token_tile(tl.program_id(0), N, D, D_PAD, BLOCK_T)
     cv = tl.load(c + cols, mask=col_ok, other=0.0).to(tl.float32)
 
     n64 = tl.cast(N, tl.int64)  # N == 1 arrives as a constant (no .to)
-    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    z = tl.zeros([BLOCK_T], tl.float32)
-    acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
+    m, z, acc = online_softmax_start(BLOCK_T, D_PAD)
     for j in range(R):
         x = load_source(table, j, rows, cols, mask, DTYPE, ALIGNED)
         r, s = score_source(x, cv, eps, D)
@@ -248,12 +278,8 @@ def depth_attention_fwd_kernel(
     tl.store(out + offsets, mix.to(DTYPE), mask=mask)
 
 
-@triton.autotune(
-    configs=tile_configs((1024, 4096), (4, 8, 16)),
-    key=["D", "OUT_NORM", "HAS_GRAD_WEIGHTS", "DTYPE"],
-    prune_configs_by={"early_config_prune": tiles_within(32)},  # about five rows live: dm, mix, normed, x, dx
-)
-@triton.heuristics({"BLOCK_T": block_tokens})
+# tiles_within(32): about five rows live (dm, mix, normed, x, dx)
+@row_tiles(key=["D", "OUT_NORM", "HAS_GRAD_WEIGHTS", "DTYPE"], tiles=(1024, 4096), prune=tiles_within(32))
 @triton.jit
 def depth_attention_bwd_kernel(
     table, c, out_weight, grad_out, grad_weights, weights, rstd, dc_part, dow_part, N, R, programs, out_eps,
@@ -269,10 +295,7 @@ def depth_attention_bwd_kernel(
     dow = tl.zeros([D_PAD], tl.float32)
 
     for blk in range(pid, tl.cdiv(N, BLOCK_T), programs):
-        rows = (blk * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        row_ok = rows < N
-        mask = row_ok[:, None] & col_ok[None, :]
-        offsets = rows[:, None] * D + cols[None, :]
+        rows, _, row_ok, _, mask, offsets = token_tile(blk, N, D, D_PAD, BLOCK_T)
         dm = tl.load(grad_out + offsets, mask=mask, other=0.0).to(tl.float32)
 
         # pass 1: the mixture m = sum_j alpha_j x_j (and sum_j alpha_j gw_j, the weights' own share of delta)
@@ -284,14 +307,9 @@ def depth_attention_bwd_kernel(
             if HAS_GRAD_WEIGHTS:
                 delta += a * tl.load(grad_weights + j * n64 + rows, mask=row_ok, other=0.0)
         if OUT_NORM:  # the fused PreNorm's backward turns grad_out into the gradient reaching m
-            mix_rstd = tl.rsqrt(tl.sum(mix * mix, 1) / D + out_eps)
-            normed = mix * mix_rstd[:, None]
-            dow += tl.sum(dm * normed, 0)
-            # c and the gain are loaded where used (cache hits): held across the loop they would spill at large d
-            dm = dm * tl.load(out_weight + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            dm = (dm - normed * (tl.sum(dm * normed, 1) / D)[:, None]) * mix_rstd[:, None]
+            dm, dow = output_norm_backward(dm, mix, dow, out_weight, cols, col_ok, out_eps, D)
         delta += tl.sum(dm * mix, 1)
-        cv = tl.load(c + cols, mask=col_ok, other=0.0).to(tl.float32)
+        cv = tl.load(c + cols, mask=col_ok, other=0.0).to(tl.float32)  # here, as the gain: held across the loop, spills
 
         # pass 2: ds_j = alpha_j (dm . x_j + gw_j - delta); dx_j = alpha_j dm + ds_j r_j (c - s_j r_j x_j / d)
         for j in range(R):

@@ -1,4 +1,4 @@
-"""Triton kernels of phase 2 of the two-phase computation, with the contract of `attnres::merge_prefix_fwd/bwd`.
+"""Triton kernels of phase 2 of the two-phase computation (`attnres::merge_prefix_fwd/bwd`).
 
 Forward, one pass per block of tokens: score the prefix (fp32, key rstd), merge it with the point's phase-1
 statistics (m, z, u), divide, apply the fused output norm and store in the result's dtype (math in
@@ -17,16 +17,16 @@ import triton.language as tl
 
 from attnres.ops.triton.depth_attention import (
     TORCH_TO_TRITON,
-    block_tokens,
     contiguous_or_none,
-    distinct_tiles,
     flat_sources,
     num_programs,
     output_norm,
+    output_norm_backward,
     padded_width,
+    row_tiles,
     score_source,
-    tile_configs,
     tiles_within,
+    token_tile,
 )
 
 
@@ -41,25 +41,14 @@ def merge_tile(m, z, u, x, cv, eps, D: tl.constexpr):
     return ea * z + eb, ea[:, None] * u + eb[:, None] * x, r, s, ea, eb
 
 
-@triton.autotune(
-    configs=tile_configs((1024, 4096, 8192), (4, 8, 16)),
-    key=["D", "HAS_PREFIX", "OUT_NORM", "OUT_DTYPE"],
-    prune_configs_by={"early_config_prune": distinct_tiles},
-)
-@triton.heuristics({"BLOCK_T": block_tokens})
+@row_tiles(key=["D", "HAS_PREFIX", "OUT_NORM", "OUT_DTYPE"])
 @triton.jit
 def merge_prefix_fwd_kernel(
     m, z, u, prefix, c, out_weight, out, N, prefix_stride, eps, out_eps,
     D: tl.constexpr, D_PAD: tl.constexpr, HAS_PREFIX: tl.constexpr, OUT_NORM: tl.constexpr,
     OUT_DTYPE: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    cols = tl.arange(0, D_PAD)
-    row_ok = rows < N
-    col_ok = cols < D
-    mask = row_ok[:, None] & col_ok[None, :]
-    offsets = rows[:, None] * D + cols[None, :]
-
+    rows, cols, row_ok, col_ok, mask, offsets = token_tile(tl.program_id(0), N, D, D_PAD, BLOCK_T)
     zs = tl.load(z + rows, mask=row_ok, other=1.0)
     us = tl.load(u + offsets, mask=mask, other=0.0)
     if HAS_PREFIX:
@@ -70,12 +59,8 @@ def merge_prefix_fwd_kernel(
     tl.store(out + offsets, h.to(OUT_DTYPE), mask=mask)
 
 
-@triton.autotune(
-    configs=tile_configs((1024, 4096), (4, 8, 16)),
-    key=["D", "HAS_PREFIX", "OUT_NORM", "X_DTYPE"],
-    prune_configs_by={"early_config_prune": tiles_within(16)},  # more rows live than the one-shot backward
-)
-@triton.heuristics({"BLOCK_T": block_tokens})
+# tiles_within(16): more rows live than in the one-shot backward
+@row_tiles(key=["D", "HAS_PREFIX", "OUT_NORM", "X_DTYPE"], tiles=(1024, 4096), prune=tiles_within(16))
 @triton.jit
 def merge_prefix_bwd_kernel(
     grad_out, m, z, u, prefix, c, out_weight, du_out, dz_out, dx_out, dc_part, dow_part, N, prefix_stride, programs,
@@ -92,10 +77,7 @@ def merge_prefix_bwd_kernel(
 
     # rows past N load as z = 1 and zeros elsewhere, so they add nothing (and no NaN) to the per-program sums
     for blk in range(pid, tl.cdiv(N, BLOCK_T), programs):
-        rows = (blk * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        row_ok = rows < N
-        mask = row_ok[:, None] & col_ok[None, :]
-        offsets = rows[:, None] * D + cols[None, :]
+        rows, _, row_ok, _, mask, offsets = token_tile(blk, N, D, D_PAD, BLOCK_T)
         dh = tl.load(grad_out + offsets, mask=mask, other=0.0).to(tl.float32)
 
         za = tl.load(z + rows, mask=row_ok, other=1.0)
@@ -107,11 +89,7 @@ def merge_prefix_bwd_kernel(
             zs, us, r, s, ea, eb = merge_tile(tl.load(m + rows, mask=row_ok, other=0.0), za, ua, x, cv, eps, D)
         h = us / zs[:, None]
         if OUT_NORM:  # the fused PreNorm's backward turns grad_out into the gradient reaching h
-            h_rstd = tl.rsqrt(tl.sum(h * h, 1) / D + out_eps)
-            normed = h * h_rstd[:, None]
-            dow += tl.sum(dh * normed, 0)
-            dh = dh * tl.load(out_weight + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            dh = (dh - normed * (tl.sum(dh * normed, 1) / D)[:, None]) * h_rstd[:, None]
+            dh, dow = output_norm_backward(dh, h, dow, out_weight, cols, col_ok, out_eps, D)
 
         du = dh / zs[:, None]
         dz = -tl.sum(du * h, 1)

@@ -1,4 +1,4 @@
-"""Triton kernels of phase 1 of the two-phase computation, with the contract of `attnres::depth_stats_fwd/bwd`.
+"""Triton kernels of phase 1 of the two-phase computation (`attnres::depth_stats_fwd/bwd`).
 
 Forward: program (token block, query q) streams the R sources once with the operator's online softmax and writes the
 statistics m, z `[S, N]` and u `[S, N, d]` of query q. The S programs of one token block are adjacent in the launch,
@@ -22,16 +22,16 @@ import triton.language as tl
 from attnres.ops.triton.depth_attention import (
     INTERPRETING,
     TORCH_TO_TRITON,
-    block_tokens,
-    distinct_tiles,
     flat_sources,
     load_source,
     num_programs,
+    online_softmax_start,
     online_softmax_update,
     padded_width,
     pointer_table,
+    row_tiles,
     score_source,
-    tile_configs,
+    token_tile,
 )
 
 # The backward holds `[S, R]` tiles padded to powers of two of at least 16 (the smallest `tl.dot`); at 64 rows an
@@ -41,12 +41,7 @@ MAX_STATS_ROWS = 64
 DCS_BLOCK_N = 16 if INTERPRETING else 64
 
 
-@triton.autotune(
-    configs=tile_configs((1024, 4096, 8192), (4, 8, 16)),
-    key=["D", "DTYPE"],
-    prune_configs_by={"early_config_prune": distinct_tiles},
-)
-@triton.heuristics({"BLOCK_T": block_tokens})
+@row_tiles(key=["D", "DTYPE"])
 @triton.jit
 def depth_stats_fwd_kernel(
     table, cs, m_out, z_out, u_out, rstd, N, R, S, eps,
@@ -55,19 +50,12 @@ def depth_stats_fwd_kernel(
 ):
     pid = tl.program_id(0)
     q = pid % S
-    rows = ((pid // S) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    cols = tl.arange(0, D_PAD)
-    row_ok = rows < N
-    col_ok = cols < D
-    mask = row_ok[:, None] & col_ok[None, :]
+    rows, cols, row_ok, col_ok, mask, _ = token_tile(pid // S, N, D, D_PAD, BLOCK_T)
     cv = tl.load(cs + q * D + cols, mask=col_ok, other=0.0).to(tl.float32)
 
     stores_rstd = tl.where(q == 0, row_ok, False)  # every query sees the same key rstd: query 0 stores it
     n64 = tl.cast(N, tl.int64)  # N == 1 arrives as a constant (no .to)
-
-    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    z = tl.zeros([BLOCK_T], tl.float32)
-    acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
+    m, z, acc = online_softmax_start(BLOCK_T, D_PAD)
     for j in range(R):
         x = load_source(table, j, rows, cols, mask, DTYPE, ALIGNED)
         r, s = score_source(x, cv, eps, D)
