@@ -3,16 +3,19 @@
 # benchmarks/download_wheels.sh on a machine with network, carried along) each package that is missing or at another
 # version, then runs benchmarks/gpu_model_check.py: the operator's HBM fraction beside fla's fused_attnres first, then
 # model-level parity of the kernels against the torch path, prefill and greedy decode (eager, torch.compile, CUDA
-# graph), the Triton kernel tests on the GPU, model-level time ratios and peak memory. Every stage runs in its own
-# process with its own time limit, so one that fails or hangs loses only itself; the whole run fits one 600 s call.
+# graph), the Triton kernel tests on the GPU, model-level time ratios and peak memory; last, where the `vllm` package
+# is installed, benchmarks/bench_vllm.py (output tokens/s under vLLM, original vs Block and Full; elsewhere a "not run"
+# record). Every stage runs in its own process with its own time limit, so one that fails or hangs loses only itself;
+# the whole run fits one 600 s call.
 #
 #   benchmarks/gpu_check.sh            # from anywhere; results in $OUT when set (the device tool's folder), else runs/
 #   benchmarks/gpu_check.sh --smoke    # the same stages on CPU, tiny sizes, Triton interpreted (CI runs this)
 #   GPU_CHECK_INSTALL=1 PYTHON=venv/bin/python benchmarks/gpu_check.sh --smoke   # a dry run: installs from wheels/ too
 #
 # Written as they come (a run cut short keeps them): gpu_check.json (the report, rewritten after every stage),
-# gpu_check.stages/ (each stage's own JSON, rewritten at every result, and op_tests.log) and gpu_check.log (this
-# script's output). Exit status: 0 when every stage ran and every parity check passed, 1 otherwise.
+# gpu_check.stages/ (each stage's own JSON, rewritten at every result, and op_tests.log; vllm.json) and gpu_check.log
+# (this script's output); the vLLM stage's record is the report's "vllm" entry. Exit status: 0 when every stage ran
+# (the vLLM stage may be "not run") and every parity check passed, 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
@@ -71,10 +74,45 @@ if [[ -d "$site" ]]; then
 fi
 "$PYTHON" -c 'import transformers; print(f"transformers {transformers.__version__} from {transformers.__file__}")'
 
+# where vllm is installed, its stage's seconds are kept back from the stages before it (default 150: op_hbm still
+# gets more than the 200 s fla's case needs); the vLLM GPU wheel is too large to carry, so mostly it is not
+vllm_seconds=0
+if "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)' 2>/dev/null; then
+    vllm_seconds=${GPU_CHECK_VLLM_SECONDS:-150}
+fi
+
 step "stages (benchmarks/gpu_model_check.py)"
-left=$((budget - (SECONDS - start)))
+left=$((budget - (SECONDS - start) - vllm_seconds))
 timeout -k 15 "$((left + 10))" "$PYTHON" benchmarks/gpu_model_check.py "${smoke[@]}" --deadline "$left" --json "$json"
 status=$?
 
-step "done, status $status"
-exit $((status != 0))
+step "vllm (benchmarks/bench_vllm.py)"
+vllm_json=${json%.json}.stages/vllm.json
+mkdir -p "$(dirname "$vllm_json")"
+rm -f "$vllm_json"
+if ((${#smoke[@]} > 0)); then  # CPU: tiny sizes (vLLM's CPU attention takes head_dim 64)
+    vllm_args=(--dim 128 --layers 2 --heads 2 --vocab 256 --requests 4 --prompt-tokens 8 24 --max-tokens 8)
+else
+    vllm_args=(--dtype bfloat16 --dim 1024 --layers 16 --heads 16 --vocab 32000 --block-size 2)
+fi
+left=$((budget - (SECONDS - start)))
+timeout -k 10 "$((left > 30 ? left : 30))" "$PYTHON" benchmarks/bench_vllm.py --if-installed "${vllm_args[@]}" \
+    --repeats 1 --runs 2 --out "$vllm_json"
+vllm_rc=$?
+# the stage's record becomes the report's "vllm" entry
+"$PYTHON" - "$json" "$vllm_json" "$vllm_rc" <<'EOF'
+import json, os, sys
+report_path, stage_path, rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
+report = json.load(open(report_path)) if os.path.exists(report_path) else {}
+stage = json.load(open(stage_path)) if rc == 0 and os.path.exists(stage_path) else None
+if stage is None:
+    stage = {"status": "timeout" if rc in (124, 137) else "failed", "why": f"bench_vllm.py exited {rc} (see the log)"}
+report["vllm"] = stage
+with open(report_path + ".tmp", "w") as f:
+    json.dump(report, f, indent=1)
+os.replace(report_path + ".tmp", report_path)
+print(f"vllm: {stage['status']}: " + stage.get("why", f"ratio to the original {stage.get('ratio_to_original')}"))
+EOF
+
+step "done, status $status, vLLM stage exit $vllm_rc"
+exit $((status != 0 || vllm_rc != 0))
