@@ -4,6 +4,7 @@ the benchmark does not pretend to have run."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +14,11 @@ from tests.serving.conftest import REPO
 
 BENCH = REPO / "benchmarks" / "bench_vllm.py"
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}  # as gpu_check.sh runs it
+
+
+def setup_module():
+    # the suite's own Python has no vLLM (it lives in ATTNRES_VLLM_PYTHON's venv); with it, these would benchmark
+    assert importlib.util.find_spec("vllm") is None, f"{sys.executable} has vllm: run these tests without it"
 
 
 def test_without_vllm_the_stage_records_not_run(tmp_path):
