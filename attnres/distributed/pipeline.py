@@ -342,7 +342,7 @@ class PipelineTrainer:
     `virtual_stages` >= 2 chunks a rank). `cache_rows`: cross-stage caching (only changes anything with virtual
     stages). `tp_mesh`: the tensor-parallel ranks of this stage (`parallelize_tensor` on its layers; the stages then
     exchange each rank's tokens of the state). `dp_mesh`: the data-parallel ranks of this stage, over which FSDP2
-    shards each chunk (per decoder layer, then the chunk; the chunk alone under tensor parallel). `traffic` counts what this rank's chunks sent in the last step.
+    shards each chunk (per decoder layer, then the chunk). `traffic` counts what this rank's chunks sent in the last step.
     """
 
     def __init__(self, model: nn.Module, *, schedule: str = "1f1b", microbatches: int, virtual_stages: int = 1,
@@ -368,7 +368,7 @@ class PipelineTrainer:
         if dp_mesh is not None:
             from attnres.distributed.data_parallel import shard_chunk
 
-            for chunk in self.chunks:  # the chunk's group only under tensor parallel (its local views)
+            for chunk in self.chunks:
                 shard_chunk(chunk, dp_mesh)
         self._schedule, self._shape = None, None
 

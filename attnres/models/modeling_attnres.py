@@ -21,6 +21,7 @@ transformers.
 
 from __future__ import annotations
 
+import copy
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -174,12 +175,15 @@ class AttnResPreTrainedModel(PreTrainedModel):
     def plan_layers(self) -> None:
         """Read and check the layer plan from the family's own decoder layers (`attnres.models.family`), keep it in the
         config and install it; an unsupported family raises a ValueError. Needed only by a model built on the meta
-        device from a config without a plan (or loaded from a folder written before plans were kept)."""
+        device from a config without a plan (or loaded from a folder written before plans were kept). On the meta
+        device the plan is read from a real twin of the family with two decoder layers and a small vocabulary."""
         if self.is_planned():
             return
-        if any(p.is_meta for p in self.parameters()):
-            raise RuntimeError("plan_layers: the model's weights are still on the meta device; load them first")
-        sides = plan_decoder_layers(self, self.config.base_model_type, layer_class=lambda layer: layer.family_layer_cls)
+        if any(p.is_meta for p in self.parameters()):  # read from a small real twin: the plan depends on the code
+            sides = plan_decoder_layers(_planning_twin(self.config), self.config.base_model_type)
+        else:
+            sides = plan_decoder_layers(self, self.config.base_model_type,
+                                        layer_class=lambda layer: layer.family_layer_cls)
         _keep_plan(self.config, sides)
         _install_plan(self.model, sides)
 
@@ -259,6 +263,20 @@ class AttnResPreTrainedModel(PreTrainedModel):
                         "adapter_names: PEFT mixed-adapter batches cannot route the AttnRes parameters per row; run "
                         "one adapter per batch"
                     )
+
+
+def _planning_twin(config: AttnResConfig) -> PreTrainedModel:
+    """The family's causal LM at the config's widths, with at most two decoder layers (per-layer lists cut to
+    match: alternating attention kinds stay represented) and a 32-token vocabulary, built for real on the CPU: what a
+    model built on the meta device reads its layer plan from."""
+    text = copy.deepcopy(config.text_config)
+    layers = min(text.num_hidden_layers, 2)
+    for key, value in vars(text).items():
+        if isinstance(value, list) and len(value) == text.num_hidden_layers:
+            setattr(text, key, value[:layers])
+    text.num_hidden_layers, text.vocab_size, text.pad_token_id = layers, 32, None
+    with torch.device("cpu"):
+        return _family_lm_class(config)(text)
 
 
 def _keep_plan(config: AttnResConfig, sides: tuple[Sublayer, Sublayer]) -> None:

@@ -10,8 +10,8 @@ leaves either the complete new checkpoint or none, and the previous one intact. 
 A distributed run writes `sharded/` instead of `model.safetensors` and the optimizer: every rank saves the weights
 and optimizer state it holds (its FSDP2 or tensor-parallel shards, its pipeline stages) through
 `torch.distributed.checkpoint`, which keys them by parameter name, so nothing is gathered on one rank. A run resumes
-from either kind on any mesh, or in one process: the weights load whole into the model before it is parallelized,
-the optimizer state into whatever the rank then holds (`torch.distributed.checkpoint` reshards).
+from either kind on any mesh, or in one process: each rank reads the weights and optimizer state it then holds
+(`torch.distributed.checkpoint` reshards; `model.safetensors` through its Hugging Face reader).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import save_model
 from torch import nn
 
 from attnres.atomic import TMP_PREFIX, atomic_write_dir, fsync_tree, replace_durably
@@ -71,8 +71,8 @@ def save_sharded_checkpoint(folder: str | os.PathLike, step: int, model: nn.Modu
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(ranks, "starting a checkpoint")
-    shards = {"model": get_model_state_dict(model),
-              "optim": get_optimizer_state_dict(model, optimizer, options=_options())}
+    shards = _in_plain_chunks({"model": get_model_state_dict(model),
+                               "optim": get_optimizer_state_dict(model, optimizer, options=_options())})
     collective(lambda: dcp.save(shards, checkpoint_id=tmp / SHARDED_DIR), "saving a checkpoint")
     if ranks.is_main:
         torch.save({"step": step, **state}, tmp / STATE_FILE)
@@ -101,38 +101,49 @@ def _options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module) -> dict:
-    """Load the weights of checkpoint folder `path` (either kind) into the whole `model` (strict, onto its device)
-    and return its state dict, on the CPU (generator states must stay there; `Optimizer.load_state_dict` moves its
-    own). A sharded checkpoint's optimizer state loads after the model is parallelized: `load_sharded_optimizer`."""
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, stage_only: bool = False) -> dict:
+    """Load the weights of checkpoint folder `path` (either kind) into `model`, whole or parallelized (each rank
+    reads what it holds: `torch.distributed.checkpoint` reshards), and return its state dict, on the CPU (generator
+    states must stay there; `Optimizer.load_state_dict` moves its own). Every weight of the model must be in the
+    checkpoint, and, unless the model is a pipeline rank's stages (`stage_only`), every weight of the checkpoint in
+    the model. A sharded checkpoint's optimizer state loads after: `load_sharded_optimizer`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
     path = Path(path)
     sharded = (path / SHARDED_DIR).is_dir()
     if not ((path / MODEL_FILE).is_file() or sharded) or not (path / STATE_FILE).is_file():
         raise ValueError(f"checkpoint: {path} is not a checkpoint folder (expected {MODEL_FILE} or {SHARDED_DIR}/, "
                          f"and {STATE_FILE})")
-    if sharded:
-        _load_sharded_weights(path, model)
-    else:
-        device = next(model.parameters()).device
-        missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False, device=str(device))
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint: {path} does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
-            )
+    # a sharded checkpoint keys the weights "model.<name>" (beside the optimizer's); model.safetensors by name
+    reader = dcp.FileSystemReader(path / SHARDED_DIR) if sharded else dcp.HuggingFaceStorageReader(str(path))
+    prefix = "model." if sharded else ""
+    stored = {key[len(prefix):] for key in reader.read_metadata().state_dict_metadata if key.startswith(prefix)}
+    weights = get_model_state_dict(model)
+    tied = _tied_names(model)  # a tied weight is stored once, under one of its names
+    wanted = {key: t for key, t in weights.items() if key in stored or not tied.get(key, set()) & stored}
+    unexpected = set() if stage_only else stored - set(weights)
+    missing = set(wanted) - stored
+    if missing or unexpected:
+        raise ValueError(f"checkpoint: {path} does not match the model: missing {sorted(missing)}, unexpected "
+                         f"{sorted(unexpected)}")
+    loaded = _in_plain_chunks(wanted)
+    try:
+        with _one_process_intended():
+            dcp.load({"model": loaded} if sharded else loaded, storage_reader=reader,
+                     no_dist=not torch.distributed.is_initialized())
+    except dcp.api.CheckpointException as e:  # a mis-shaped tensor
+        raise ValueError(f"checkpoint: {path} does not match the model: {e}") from e
+    set_model_state_dict(model, {**weights, **_in_layouts_of(wanted, loaded)})
     return torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
 
 
-def _load_sharded_weights(path: Path, model: nn.Module) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    weights = get_model_state_dict(model)
-    try:
-        with _one_process_intended():
-            dcp.load({"model": weights}, checkpoint_id=path / SHARDED_DIR, no_dist=True)  # whole, on each rank
-    except dcp.api.CheckpointException as e:  # a missing or mis-shaped tensor
-        raise ValueError(f"checkpoint: {path} does not match the model: {e}") from e
-    set_model_state_dict(model, weights)
+def _tied_names(model: nn.Module) -> dict[str, set[str]]:
+    """{name: the other names of the same parameter} for each parameter held under several names."""
+    names: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), set()).add(name)
+    return {name: group - {name} for group in names.values() if len(group) > 1 for name in group}
 
 
 def load_sharded_optimizer(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -141,10 +152,43 @@ def load_sharded_optimizer(path: str | os.PathLike, model: nn.Module, optimizer:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     state = get_optimizer_state_dict(model, optimizer, options=_options())
+    loaded = _in_plain_chunks(state)
     with _one_process_intended():
-        dcp.load({"optim": state}, checkpoint_id=Path(path) / SHARDED_DIR,
+        dcp.load({"optim": loaded}, checkpoint_id=Path(path) / SHARDED_DIR,
                  no_dist=not torch.distributed.is_initialized())
-    set_optimizer_state_dict(model, optimizer, state, options=_options())
+    set_optimizer_state_dict(model, optimizer, _in_layouts_of(state, loaded), options=_options())
+
+
+def _in_plain_chunks(state: dict) -> dict:
+    """`state` with every DTensor laid out in chunks that `torch.distributed.checkpoint` can describe. A strided shard
+    (transformers' packed gate/up columns of MoE experts: each rank holds two pieces of the dimension) becomes the
+    plain shard of its dimension, through a gather of that tensor: at checkpoint time only."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.utils._pytree import tree_map_only
+
+    def plain(t: DTensor) -> DTensor:
+        if not any(isinstance(p, _StridedShard) for p in t.placements):
+            return t
+        whole = t.redistribute(placements=[Replicate()] * t.device_mesh.ndim).to_local()
+        placements = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements]
+        return distribute_tensor(whole, t.device_mesh, placements, src_data_rank=None)
+
+    return tree_map_only(DTensor, plain, state)
+
+
+def _in_layouts_of(state: dict, loaded: dict) -> dict:
+    """`loaded` (laid out by `_in_plain_chunks(state)`) back in the layouts of `state`."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.utils._pytree import tree_map
+
+    def back(want, got):
+        if not isinstance(want, DTensor) or got.placements == want.placements:
+            return got
+        whole = got.redistribute(placements=[Replicate()] * got.device_mesh.ndim).to_local()
+        return distribute_tensor(whole, want.device_mesh, want.placements, src_data_rank=None)
+
+    return tree_map(back, state, loaded)
 
 
 def is_sharded(path: str | os.PathLike) -> bool:

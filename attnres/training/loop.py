@@ -27,6 +27,7 @@ from attnres.distributed.data_parallel import (
     RankFailed, barrier, end_ranks, gather_on_main, init_ranks, local_device, lost_rank_message,
     on_main,
 )
+from attnres.distributed.materialize import materialize
 from attnres.distributed.mesh import build_mesh, memory_line
 from attnres.training.checkpoint import (
     latest_checkpoint, load_checkpoint, load_sharded_optimizer, save_checkpoint, save_sharded_checkpoint,
@@ -64,10 +65,12 @@ class RunResult:
     model: nn.Module | None = field(default=None, repr=False)
 
 
-def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
-    """The `AttnResForCausalLM` the config describes (on the `config.base` family's own modules), initialised from
-    `config.seed`. The sizes apply to the family's fields of those names; its other `*intermediate_size` fields (MoE
-    experts) get the MLP size and its `head_dim` the hidden size over the heads, unless `base_config` sets them."""
+def build_model(config: TrainConfig, vocab_size: int, device: torch.device | str = "cpu") -> nn.Module:
+    """The `AttnResForCausalLM` the config describes (on the `config.base` family's own modules), built on the meta
+    device and initialised on `device` from `config.seed` (`attnres.distributed.materialize`); `device="meta"` leaves
+    it there, for a caller that parallelizes it first. The sizes apply to the family's fields of those names; its
+    other `*intermediate_size` fields (MoE experts) get the MLP size and its `head_dim` the hidden size over the
+    heads, unless `base_config` sets them."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from attnres.models import AttnResConfig, AttnResForCausalLM
@@ -97,11 +100,12 @@ def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
         attn_res_block_size=config.block_size,
         attn_res_rescale_mixture=config.rescale_mixture,
     )
-    torch.manual_seed(config.seed)
-    model = AttnResForCausalLM(model_config)
+    with torch.device("meta"):
+        model = AttnResForCausalLM(model_config)
+    model.plan_layers()
     if config.activation_checkpointing:
         model.activation_checkpointing_enable()
-    return model
+    return model if device == "meta" else materialize(model, device, config.seed)
 
 
 def train(config: TrainConfig, model: nn.Module | None = None) -> RunResult:
@@ -142,10 +146,9 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
         torch.manual_seed(config.seed)
     else:
         tokenizer = load_tokenizer(config.tokenizer, config.allow_download)
-        if model is None:
-            model = build_model(config, tokenizer.vocab_size)
-        else:
-            torch.manual_seed(config.seed)
+        if model is None:  # on the meta device: each rank allocates only what it holds, once parallelized
+            model = build_model(config, tokenizer.vocab_size, device="meta")
+        torch.manual_seed(config.seed)
     corpus = read_corpus(config.data, config.max_bytes)
     splits = tokenize_and_split(corpus, tokenizer, config.val_fraction)
     check_fits(splits, config.seq_len, config.val_fraction)
@@ -157,12 +160,17 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
     branch = branch_source(config, run_info) if config.branch_from is not None else None
     on_main(lambda: prepare_run_dir(run_dir, config, run_info), ranks)
 
-    model.to(device).train()
+    on_meta = any(p.is_meta for p in model.parameters())
+    if not on_meta:
+        model.to(device)
+    model.train()
+    mesh = build_mesh(dims, device.type) if ranks.distributed else None
+    # TP and FSDP shard `model`, PP cuts it, then each rank allocates what it holds; DDP wraps it
+    allocate = (lambda m: materialize(m, device, config.seed)) if on_meta else (lambda m: None)
+    steps = training_steps(model, config, ranks, dims, mesh, allocate)
     checkpoints = run_dir / CHECKPOINTS
     last = (latest_checkpoint(checkpoints) if config.resume else None) or branch  # its own checkpoint comes first
-    state = load_checkpoint(last, model) if last is not None else None  # into the whole model, before sharding
-    mesh = build_mesh(dims, device.type) if ranks.distributed else None
-    steps = training_steps(model, config, ranks, dims, mesh)  # TP and FSDP shard `model`, DDP wraps it, PP cuts it
+    state = load_checkpoint(last, model, stage_only=dims.pp > 1) if last is not None else None  # what it holds
     optimizer = build_optimizer(
         model, lr=config.lr, weight_decay=config.weight_decay, attn_res_lr_mult=config.attn_res_lr_mult,
         attn_res_weight_decay=config.attn_res_weight_decay,

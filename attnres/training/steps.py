@@ -10,6 +10,7 @@ whole weights (checkpoints are sharded: `attnres.training.checkpoint`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
@@ -25,21 +26,26 @@ from attnres.distributed.pipeline import PipelineTrainer, check_pipeline
 from attnres.distributed.tensor_parallel import parallelize_tensor
 from attnres.training.config import TrainConfig
 
+Allocate = Callable[[nn.Module], None]
+
 
 class MeshSteps:
     """A mesh without pipeline stages: tensor parallel over "tp" (`parallelize_tensor`), then FSDP2 over the
     data-parallel dimensions (per decoder layer, then the root), or DDP for replicas alone.
     Each data-parallel rank takes its rows of the global batch; the tensor-parallel ranks of one row share them."""
 
-    def __init__(self, model: nn.Module, config: TrainConfig, ranks: Ranks, dims: ParallelDims, mesh):
+    def __init__(self, model: nn.Module, config: TrainConfig, ranks: Ranks, dims: ParallelDims, mesh,
+                 allocate: Allocate):
         self.model, self.ranks = model, ranks
         self.trained = model  # what the training forward runs
+        ddp = dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.tp == 1
         if dims.tp > 1:
             parallelize_tensor(model, mesh["tp"])
-        if dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.tp == 1:
-            self.trained = apply_ddp(model)
-        elif dims.dp > 1:
+        if dims.dp > 1 and not ddp:
             apply_fsdp(model, dp_mesh(mesh))
+        allocate(model)
+        if ddp:  # DDP broadcasts rank 0's weights: they must exist
+            self.trained = apply_ddp(model)
         self.rows = (dp_rank(mesh), dims.dp) if mesh is not None else (0, 1)
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
 
@@ -80,13 +86,15 @@ class PipelineSteps:
     FSDP2 over the data-parallel dimensions within each stage, `microbatches(config, dims)` microbatches a step of
     each data-parallel rank's rows."""
 
-    def __init__(self, model: nn.Module, config: TrainConfig, ranks: Ranks, dims: ParallelDims, mesh):
+    def __init__(self, model: nn.Module, config: TrainConfig, ranks: Ranks, dims: ParallelDims, mesh,
+                 allocate: Allocate):
         self.model, self.ranks = model, ranks
         self.trainer = PipelineTrainer(
             model, schedule=config.pp_schedule, microbatches=microbatches(config, dims),
             virtual_stages=config.virtual_stages, group=mesh["pp"].get_group(),
             dp_mesh=dp_mesh(mesh) if dims.dp > 1 else None, tp_mesh=mesh["tp"] if dims.tp > 1 else None,
         )
+        allocate(model)  # this rank's stages only
         self.rows = (dp_rank(mesh), dims.dp)
         self.sharded = dims.dp > 1
 
@@ -148,8 +156,11 @@ def check_settings(config: TrainConfig, dims: ParallelDims) -> None:
                          f"got {config.batch_size}")
 
 
-def training_steps(model: nn.Module, config: TrainConfig, ranks: Ranks, dims: ParallelDims, mesh
-                   ) -> MeshSteps | PipelineSteps:
+def training_steps(model: nn.Module, config: TrainConfig, ranks: Ranks, dims: ParallelDims, mesh,
+                   allocate: Allocate = lambda model: None) -> MeshSteps | PipelineSteps:
+    """The steps of `model` on the mesh. `allocate(model)` is called once the model is parallelized (each rank holds
+    its part: TP and FSDP2 shards, pipeline stages) and before anything reads its weights: a model built on the meta
+    device is made real there."""
     if dims.pp > 1:
-        return PipelineSteps(model, config, ranks, dims, mesh)
-    return MeshSteps(model, config, ranks, dims, mesh)
+        return PipelineSteps(model, config, ranks, dims, mesh, allocate)
+    return MeshSteps(model, config, ranks, dims, mesh, allocate)
