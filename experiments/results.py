@@ -2,9 +2,9 @@
 
     python -m experiments.results            # writes docs/results.md and redraws its figures
 
-Reads docs/budget.json, docs/query_lr.json, docs/stability.json and docs/warmup_stall.json (written by the scripts of
-the same names) and docs/compare_summary*.json (`attnres compare`'s summaries, at the query lr multipliers 1 and 0.1);
-every number on the page is computed here from those files, and so is every conclusion
+Reads docs/budget.json, docs/query_lr.json, docs/stability.json, docs/upcycle.json and docs/warmup_stall.json
+(written by the scripts of the same names) and docs/compare_summary*.json (`attnres compare`'s summaries, at the query
+lr multipliers 1 and 0.1); every number on the page is computed here from those files, and so is every conclusion
 (tests/analysis/test_results_page.py checks that the committed page matches them).
 """
 
@@ -19,14 +19,19 @@ from pathlib import Path
 from attnres.analysis.report import seed_losses
 from attnres.analysis.stats import paired_gaps
 from attnres.atomic import atomic_write_text
+from attnres.training import TrainConfig
 from attnres.commands import compare as compare_command
-from experiments import budget, query_lr, stability
+from experiments import budget, query_lr, stability, upcycle
 from experiments.study import verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ("The paper (Kimi Team 2026) reports Block AttnRes (8 blocks) about 0.02 nats lower validation loss than PreNorm "
          "at every size from 194M to 528M activated parameters (at 436M: baseline 1.766, Full 1.737, Block 1.746), "
          "with far more tokens than any run here.")
+PUBLIC_UPCYCLE = ("The public evidence on upcycling is thin: a plain AttnRes fine-tune of Qwen3-0.6B scored 54.1 on a "
+                  "downstream average against 55.0 for the plain fine-tune (delta-attention-residuals).")
+ARM_NAMES = {"standard": "standard", "block": "Block", "full": "Full",
+             "block-frozen": "frozen-base Block (`--freeze-base`)"}
 
 
 def load(name: str) -> dict | None:
@@ -224,6 +229,156 @@ def short_budget_conclusion(rows: list) -> str:
             + ("It spans 0 for " + ", ".join(spans) + "." if spans else ""))
 
 
+def upcycle_continue_table(data: dict) -> list[str]:
+    summary = data["summary"]
+    losses, ratios = summary["continue_val_loss"], summary["step_time_ratio"]
+    lines = ["| continued as | seeds | val loss | minus continued standard [95%] | reading | step time |",
+             "| --- | --- | --- | --- | --- | --- |",
+             f"| standard | {len(losses[upcycle.STANDARD])} | {spread(list(losses[upcycle.STANDARD].values()))} "
+             "|  |  | 1x |"]
+    for row in summary["continue"]:
+        lines.append(f"| {ARM_NAMES[row['arm']]} | {row['gap_to_standard']['n']} "
+                     f"| {spread(list(losses.get(row['arm'], {}).values()))} | {interval(row['gap_to_standard'])} "
+                     f"| {row['verdict']} | {ratios[row['arm']]:.2f}x |")
+    return lines
+
+
+def continue_rows(summary: dict) -> dict[str, dict]:
+    """Each continuation arm's row of the upcycle summary (its gap to continued standard, its verdict), by arm."""
+    return {r["arm"]: r for r in summary["continue"]}
+
+
+def upcycle_continue_conclusion(data: dict) -> str:
+    summary = data["summary"]
+    rows = [r for r in summary["continue"] if r["gap_to_standard"]["ci95"] is not None]
+    below = [ARM_NAMES[r["arm"]] for r in rows if r["gap_to_standard"]["ci95"][1] < 0]
+    above = [ARM_NAMES[r["arm"]] for r in rows if r["gap_to_standard"]["ci95"][0] > 0]
+    spans = [ARM_NAMES[r["arm"]] for r in rows if ARM_NAMES[r["arm"]] not in below + above]
+    standard = summary["continue_val_loss"][upcycle.STANDARD].values()
+    gain = statistics.mean(standard) - summary["pretrain_val_loss"]  # what continued standard training moved
+    arms = continue_rows(summary)
+    block, full = arms[upcycle.BLOCK]["gap_to_standard"], arms[upcycle.FULL]["gap_to_standard"]
+    matched = summary["compute_matched"]
+    return (f"Converted at step 0, every continuation starts at the pretrained model's loss (the largest difference "
+            f"{summary['step0_minus_pretrain_max_abs']:.1e} nats/byte). After "
+            f"{data['setup']['continue']['steps']} steps, continued standard training is {-gain:.4f} below the "
+            "pretrained model (which is far from converged: the continuation is more training on the same corpus, "
+            "not a fine-tune on new data). The seed, which draws the batches, moves continued standard's loss by "
+            f"{statistics.stdev(standard):.4f} (std), but paired on the same batches Block's and Full's gaps vary far "
+            f"less (std {block['std']:.4f} and {full['std']:.4f}). The 95% interval of the gap to continued standard "
+            f"lies below 0 for {'; '.join(below) or 'none'}; above 0 for {'; '.join(above) or 'none'}; it spans 0 "
+            f"for {'; '.join(spans) or 'none'}. Block's mean gain ({block['mean']:+.4f}) is "
+            f"{100 * block['mean'] / gain:.1f}% of what the continuation itself gains. "
+            f"Compute-matched: Block's steps take {summary['step_time_ratio'][upcycle.BLOCK]:.2f}x standard's "
+            f"(measured side by side, {data['setup']['threads']} thread), so in Block's training time standard "
+            f"trains {matched['standard_steps']} steps; Block minus that run: {interval(matched['gap'])}, "
+            f"{matched['verdict']}. Frozen base: the AttnRes parameters alone move the loss "
+            f"{interval(arms['block-frozen']['minus_pretrained'])} from the pretrained model's, against {gain:+.4f} "
+            "when every weight trains.")
+
+
+def upcycle_depth_table(data: dict) -> list[str]:
+    losses = data["summary"]["depth_val_loss"]
+    lines = ["| layers | seeds | standard | Block | Block - standard [95%] | reading |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in data["summary"]["depth"]:
+        standard, block = (list(losses.get(f"L{row['layers']}-{res}", {}).values())
+                           for res in (upcycle.STANDARD, upcycle.BLOCK))
+        lines.append(f"| {row['layers']} | {row['gap']['n']} | {spread(standard)} | {spread(block)} "
+                     f"| {interval(row['gap'])} | {row['verdict']} |")
+    return lines
+
+
+def upcycle_depth_conclusion(data: dict) -> str:
+    summary, setup = data["summary"], data["setup"]["depth"]
+    rows = [r for r in summary["depth"] if r["gap"]["n"] > 1]
+    if not rows:
+        return "Too few seeds have finished for an interval."
+    widening = summary["depth_widening"]
+    standard = {r["layers"]: list(summary["depth_val_loss"][f"L{r['layers']}-{upcycle.STANDARD}"].values())
+                for r in rows}
+    losses = [statistics.stdev(v.values()) for v in summary["depth_val_loss"].values() if len(v) > 1]
+    gap_stds = [r["gap"]["std"] for r in rows]
+    first, last = rows[0]["layers"], rows[-1]["layers"]
+    resolved = [r for r in rows if r["gap"]["ci95"][0] > 0 or r["gap"]["ci95"][1] < 0]
+    deeper = statistics.mean(standard[last]) - statistics.mean(standard[first])
+    ci = widening["gap"]["ci95"]
+    trend = ("the gap widens with depth (AttnRes gains more), as the paper argues" if ci and ci[1] < 0
+             else "the gap narrows with depth here" if ci and ci[0] > 0
+             else "the gap does not measurably widen with depth here")
+    largest = max(abs(r["gap"]["mean"]) for r in rows)
+    return (f"The 95% interval spans 0 at {len(rows) - len(resolved)} of {len(rows)} depths. Gap at {last} layers "
+            f"minus gap at {first}, paired by seed: {interval(widening['gap'])}: {trend}. "
+            + ("These from-scratch runs are noisy: the" if max(gap_stds) >= largest else "The")
+            + f" seed spread (std) of one depth's losses is {min(losses):.4f}-{max(losses):.4f} nats/byte and of "
+              f"its paired gaps {min(gap_stds):.4f}-{max(gap_stds):.4f}, against mean gaps of at most {largest:.4f}. "
+            + (f"At {setup['steps']} steps and d={setup['dim']} the deeper models have not caught up either "
+               f"(standard at {last} layers {deeper:+.4f} against {first}), so this is not the regime where the "
+               "paper's argument about depth applies." if deeper > 0 else ""))
+
+
+def upcycle_reading(data: dict) -> str:
+    """The continuation beside the public evidence, in words computed from the JSON."""
+    summary = data["summary"]
+    block = continue_rows(summary)[upcycle.BLOCK]["gap_to_standard"]
+    matched = summary["compute_matched"]["gap"]
+    if block["ci95"] is None or matched["ci95"] is None:
+        return PUBLIC_UPCYCLE
+    at_steps = ("gains a little" if block["ci95"][1] < 0 else "loses" if block["ci95"][0] > 0
+                else "gains nothing measurable")
+    at_time = ("gains" if matched["ci95"][1] < 0 else "loses" if matched["ci95"][0] > 0 else "gains nothing measurable")
+    return (f"{PUBLIC_UPCYCLE} Here, converting the pretrained model and training on {at_steps} against continued "
+            f"standard training at equal steps (Block {block['mean']:+.4f} nats/byte) and {at_time} at equal "
+            f"training time (Block {matched['mean']:+.4f}). "
+            + ("Unlike the public fine-tune, upcycling pays here even at equal compute. "
+               if matched["ci95"][1] < 0 else "Neither shows upcycling paying for its cost. ")
+            + "The two measure different things (a downstream average at 0.6B parameters against the validation "
+              f"loss of a {data['runs']['pretrain']['num_params'] / 1e6:.2f}M-parameter byte-level model after "
+              f"{data['setup']['continue']['steps']} steps), so neither predicts the other at scale; the paper "
+              "trains AttnRes from scratch.")
+
+
+def upcycle_cost(data: dict) -> str:
+    timed = [r for r in data["runs"].values() if "train_s" in r]
+    return (f"`{data['command']}` ({len(timed)} runs, {data['setup']['threads']} thread each: their training steps "
+            f"took {sum(r['train_s'] for r in timed) / 3600:.1f} h, {sum(r['cpu_s'] for r in timed) / 3600:.1f} h of "
+            "CPU time, the wall-clock time depending on what ran beside them; `--parts` and `--seeds` split it over "
+            "processes that share the ledger)")
+
+
+def upcycle_section(data: dict) -> list[str]:
+    setup, pretrain = data["setup"], data["setup"]["pretrain"]
+    cont, depth = setup["continue"], setup["depth"]
+    return [
+        f"{upcycle_cost(data)}. A standard model ({pretrain['layers']} layers, d={pretrain['dim']}, "
+        f"{data['runs']['pretrain']['num_params']:,} parameters) pretrained for {pretrain['steps']} steps (validation "
+        f"loss {data['summary']['pretrain_val_loss']:.4f}) continues from its `final/` (`attnres train --init-from`) "
+        f"for {cont['steps']} steps (a fresh {cont['warmup']}-step warm-up, cosine, peak lr {cont['lr']:g}) as "
+        f"standard, Block (block size {cont['block_size']}), Full, and Block with `--freeze-base` (the AttnRes "
+        f"parameters alone, at {cont['arms']['block-frozen']['attn_res_lr_mult']:g}x; Block and Full train them at "
+        f"{TrainConfig.attn_res_lr_mult:g}x). The continuation seed draws the batches; gaps in nats per byte, paired "
+        "by seed, with a 95% t interval; step time relative to continued standard's, measured side by side.", "",
+        *upcycle_continue_table(data), "", upcycle_continue_conclusion(data), "",
+        f"Depth, from scratch: Block (block size {depth['block_size']}) against standard at "
+        f"{', '.join(map(str, depth['layers']))} layers, d={depth['dim']}, the same tokens ({depth['steps']} "
+        f"{depth['schedule']} steps, peak lr {depth['lr']:g}).", "",
+        *upcycle_depth_table(data), "", upcycle_depth_conclusion(data), "",
+        upcycle_reading(data), "", "![upcycle](figures/upcycle.png)"]
+
+
+def upcycle_readme(data: dict) -> str:
+    """The README's lines on upcycling (tests/analysis/test_results_page.py checks that the README quotes them)."""
+    summary = data["summary"]
+    gaps = {arm: row["gap_to_standard"] for arm, row in continue_rows(summary).items()}
+    return (f"Continuing a pretrained standard model (L{data['setup']['pretrain']['layers']}-"
+            f"d{data['setup']['pretrain']['dim']}, {data['setup']['continue']['steps']} steps, "
+            f"{gaps[upcycle.BLOCK]['n']} seeds), Block ends {interval(gaps[upcycle.BLOCK])} nats/byte against "
+            f"continued standard (95% interval), Full {interval(gaps[upcycle.FULL])} and `--freeze-base` "
+            f"{interval(gaps['block-frozen'])}; at equal training time (Block's steps take "
+            f"{summary['step_time_ratio'][upcycle.BLOCK]:.2f}x) Block minus standard is "
+            f"{interval(summary['compute_matched']['gap'])}.")
+
+
 def sections() -> list[tuple[str, list[str]]]:
     """(title, lines) of every study with results."""
     out = []
@@ -257,6 +412,8 @@ def sections() -> list[tuple[str, list[str]]]:
             f"between {data['setup']['plateau_band'][0]} and {data['setup']['plateau_band'][1]} nats/byte (resolution "
             "20 steps; 'never left': still above it at the end).", "", *stability_table(data), "",
             stability_conclusion(data), "", "![stability](figures/stability.png)"]))
+    if data := load("upcycle"):
+        out.append(("Upcycling: continuing a pretrained model as AttnRes", upcycle_section(data)))
     return out
 
 
@@ -279,7 +436,7 @@ def page() -> str:
 def draw_all() -> None:
     if data := load("budget"):
         budget.draw(data["runs"], ROOT / "docs" / "figures" / "budget.png", step_time_ratios())
-    for name, module in (("query_lr", query_lr), ("stability", stability)):
+    for name, module in (("query_lr", query_lr), ("stability", stability), ("upcycle", upcycle)):
         if data := load(name):
             module.draw(data["runs"], ROOT / "docs" / "figures" / f"{name}.png")
 

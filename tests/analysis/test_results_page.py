@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from attnres.analysis.stats import paired_gaps
-from experiments import budget, query_lr, results, stability, warmup_stall
+from experiments import budget, query_lr, results, stability, upcycle, warmup_stall
 from experiments.study import Ledger, study_command, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,7 +118,63 @@ def test_short_budget_pairs_a_summary_without_baseline_with_its_baseline_only_if
         results.compare_losses(summary(0.1, {"block": [2.1, 2.1]}, lr=1e-3), baseline=main)
 
 
-@pytest.mark.parametrize("module", [budget, stability, query_lr, warmup_stall, results])
+def fake_upcycle(block_shift: float, matched_shift: float, depth_shift: dict[int, float]) -> dict:
+    """An upcycle ledger: each continuation seed moves every arm alike (the batches); Block is `block_shift` from
+    continued standard, standard-matched `matched_shift` from Block; from scratch, Block is `depth_shift[L]` from
+    standard at L layers."""
+    runs = {"pretrain": {"kind": "pretrain", "val_loss": 2.0, "num_params": 1000, "train_s": 10.0, "cpu_s": 5.0},
+            "step-time": {"kind": "step-time", "ratio": {"block": 1.2, "full": 1.3, "block-frozen": 1.1}}}
+    for seed, noise in enumerate((0.0, 0.05, -0.05)):
+        wobble = 0.001 * (seed - 1)  # the paired gaps vary a little
+        arms = {"standard": 1.8, "block": 1.8 + block_shift + wobble, "full": 1.8 + wobble,
+                "block-frozen": 1.99 - 0.0001 * seed, "standard-matched": 1.8 + block_shift - matched_shift}
+        for arm, loss in arms.items():
+            runs[f"continue-{arm}-s{seed}"] = {
+                "kind": "continue", "arm": arm, "seed": seed, "val_loss": loss + noise * (arm != "block-frozen"),
+                "val_curve": [[0, 2.0], [200, loss]], "steps": 240 if arm == "standard-matched" else 200,
+                "train_s": 10.0, "cpu_s": 5.0}
+        for layers, shift in depth_shift.items():
+            for residual in ("standard", "block"):
+                runs[f"depth-L{layers}-{residual}-s{seed}"] = {
+                    "kind": "depth", "layers": layers, "residual": residual, "seed": seed, "train_s": 10.0,
+                    "cpu_s": 5.0, "val_loss": 2.0 + 0.01 * layers + noise + (shift + wobble) * (residual == "block")}
+    setup = json.loads((ROOT / "docs" / "upcycle.json").read_text())["setup"]
+    return {"command": "python -m experiments.upcycle", "setup": setup, "runs": runs,
+            "summary": upcycle.summarise(runs)}
+
+
+def test_upcycle_section_reads_its_intervals():
+    """Block 0.01 lower than continued standard and still lower at equal time; the gap widening with depth."""
+    data = fake_upcycle(-0.01, -0.005, {6: 0.0, 12: -0.02, 24: -0.04})
+    text = "\n".join(results.upcycle_section(data))
+    assert ("| Block | 3 | 1.7900 ± 0.0495 | -0.0100 [-0.0125, -0.0075] | AttnRes lower (95% interval below 0) "
+            "| 1.20x |") in text
+    assert "lies below 0 for Block; above 0 for frozen-base Block (`--freeze-base`); it spans 0 for Full." in text
+    assert "Block minus that run: -0.0050 [" in text and "upcycling pays here even at equal compute" in text
+    assert "Gap at 24 layers minus gap at 6, paired by seed: -0.0400 [" in text
+    assert "the gap widens with depth (AttnRes gains more)" in text and "are noisy" not in text
+    assert "the deeper models have not caught up" in text  # standard's loss rises with depth in the fake
+    readme = results.upcycle_readme(data)
+    assert readme.startswith("Continuing a pretrained standard model (L12-d64, 200 steps, 3 seeds), Block ends -0.0100")
+    assert readme.endswith("Block minus standard is -0.0050 [-0.0075, -0.0025].")
+
+
+def test_upcycle_section_says_when_it_does_not_pay():
+    data = fake_upcycle(-0.01, 0.03, {6: 0.0, 24: 0.0})
+    text = "\n".join(results.upcycle_section(data))
+    assert "gains a little against continued standard training at equal steps" in text
+    assert "loses at equal training time" in text and "Neither shows upcycling paying for its cost." in text
+    assert "the gap does not measurably widen with depth here" in text
+
+
+def test_readme_quotes_the_committed_upcycle_study():
+    data = json.loads((ROOT / "docs" / "upcycle.json").read_text(encoding="utf-8"))
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert " ".join(results.upcycle_readme(data).split()) in " ".join(readme.split()), \
+        "README.md's upcycling figures differ from docs/upcycle.json: paste results.upcycle_readme(data)"
+
+
+@pytest.mark.parametrize("module", [budget, stability, query_lr, upcycle, warmup_stall, results])
 def test_every_study_script_parses_its_command_line(module, capsys):
     with pytest.raises(SystemExit) as done:
         module.main(["--help"])
