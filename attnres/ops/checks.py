@@ -52,38 +52,31 @@ def check_sources(sources: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.
     return sources
 
 
-def _check_floating(name: str, t: object, shape: str) -> None:
+def check_vector(
+    name: str, t: torch.Tensor | None, d: int, device: torch.device, allow_rows: bool = False, stacked: bool = False
+) -> None:
+    """A per-channel parameter, floating, on the sources' device: `[d]` (or `[1, d]` when `allow_rows`), or with
+    `stacked` one per query, `[S, d]` with S >= 1. Every aggregation point checks a few: nothing is formatted unless
+    it fails."""
+    if t is None:
+        return
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor of shape {shape}, got {type(t).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor of shape {_shape(d, allow_rows, stacked)}, got "
+                        f"{type(t).__name__}")
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
-
-
-def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if stacked:
+        if t.dim() != 2 or t.shape[1] != d or t.shape[0] == 0:
+            raise ValueError(f"{name}: expected shape [S, {d}] with S >= 1, got {tuple(t.shape)}")
+    elif not (tuple(t.shape) == (d,) or (allow_rows and tuple(t.shape) == (1, d))):
+        raise ValueError(f"{name}: expected shape {_shape(d, allow_rows, stacked)} to match the sources' last dim "
+                         f"d={d}, got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name}: expected a tensor on the sources' device {device}, got {t.device}")
 
 
-def check_vector(name: str, t: torch.Tensor | None, d: int, device: torch.device, allow_rows: bool = False) -> None:
-    """A per-channel parameter: `[d]` (or `[1, d]` when `allow_rows`), floating, on the sources' device."""
-    if t is None:
-        return
-    _check_floating(name, t, f"[{d}]")
-    ok = tuple(t.shape) == (d,) or (allow_rows and tuple(t.shape) == (1, d))
-    if not ok:
-        want = f"[{d}] or [1, {d}]" if allow_rows else f"[{d}]"
-        raise ValueError(f"{name}: expected shape {want} to match the sources' last dim d={d}, got {tuple(t.shape)}")
-    _check_device(name, t, device)
-
-
-def check_matrix(name: str, t: torch.Tensor | None, d: int, device: torch.device) -> None:
-    """A stack of per-query vectors: `[S, d]`."""
-    if t is None:
-        return
-    _check_floating(name, t, f"[S, {d}]")
-    if t.dim() != 2 or t.shape[1] != d or t.shape[0] == 0:
-        raise ValueError(f"{name}: expected shape [S, {d}] with S >= 1, got {tuple(t.shape)}")
-    _check_device(name, t, device)
+def _shape(d: int, allow_rows: bool, stacked: bool) -> str:
+    return f"[S, {d}]" if stacked else f"[{d}] or [1, {d}]" if allow_rows else f"[{d}]"
 
 
 def check_eps(name: str, eps: float) -> float:
@@ -114,33 +107,6 @@ def _check_bank_point(prefix, output, c, out_norm_weight, eps, out_eps) -> None:
     check_eps("out_eps", out_eps)
 
 
-def _check_bank(bank: torch.Tensor, nvb: int, prefix: torch.Tensor, write: bool) -> None:
-    """A bank `[N, NB, d]` like the prefix (unit stride along d) with nvb valid rows (and row nvb free at a write)."""
-    n, d = prefix.shape
-    if not (isinstance(bank, torch.Tensor) and bank.dim() == 3 and bank.shape[0] == n and bank.shape[2] == d
-            and (bank.stride(2) == 1 or d == 1) and bank.dtype == prefix.dtype and bank.device == prefix.device):
-        raise ValueError(f"bank: expected [{n}, NB, {d}] {prefix.dtype} tensor on {prefix.device} with unit stride "
-                         f"along d, got {tuple(getattr(bank, 'shape', ()))} {getattr(bank, 'dtype', type(bank))}")
-    if isinstance(nvb, bool) or not isinstance(nvb, int):
-        raise TypeError(f"nvb: expected an int, got {type(nvb).__name__}")
-    most = bank.shape[1] - 1 if write else bank.shape[1]
-    if not 0 <= nvb <= most:
-        raise ValueError(f"nvb: expected 0 <= nvb <= {most} for a bank of {bank.shape[1]} rows "
-                         f"({'a write point needs row nvb' if write else 'read point'}), got {nvb}")
-
-
-def _check_stats(m: torch.Tensor, z: torch.Tensor, u: torch.Tensor, prefix: torch.Tensor) -> None:
-    """Phase-1 statistics of the prefix's N tokens: m, z `[N]` and u `[N, d]`, floating, on the prefix's device."""
-    n, d = prefix.shape
-    for name, t, shape in (("m", m, (n,)), ("z", z, (n,)), ("u", u, (n, d))):
-        if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name}: expected a floating tensor of shape {list(shape)}, got "
-                            f"{getattr(t, 'dtype', type(t).__name__)}")
-        if t.shape != shape or t.device != prefix.device:
-            raise ValueError(f"{name}: expected shape {list(shape)} on {prefix.device}, got {tuple(t.shape)} on "
-                             f"{t.device}")
-
-
 def check_depth_attention(
     sources: Sequence[torch.Tensor] | torch.Tensor, query, key_norm_weight, eps, out_norm_weight, out_eps
 ) -> tuple[list[torch.Tensor], float, float]:
@@ -160,8 +126,8 @@ def check_depth_stats(
     """The arguments of `depth_stats` (and of its twin): (the sources as a list, eps)."""
     xs = check_sources(sources)
     d, device = xs[0].shape[-1], xs[0].device
-    check_matrix("queries", queries, d, device)
-    check_matrix("key_norm_weights", key_norm_weights, d, device)
+    check_vector("queries", queries, d, device, stacked=True)
+    check_vector("key_norm_weights", key_norm_weights, d, device, stacked=True)
     if key_norm_weights is not None and key_norm_weights.shape != queries.shape:
         raise ValueError(
             f"key_norm_weights: expected one gain per query, shape {tuple(queries.shape)}, "
@@ -171,15 +137,34 @@ def check_depth_stats(
 
 
 def check_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write) -> None:
-    """The arguments of `attnres.ops.bank.bank_aggregate`."""
+    """The arguments of `attnres.ops.bank.bank_aggregate`: a point, and a bank `[N, NB, d]` like its prefix (unit
+    stride along d) with nvb valid rows (and row nvb free at a write)."""
     _check_bank_point(prefix, output, c, out_norm_weight, eps, out_eps)
-    _check_bank(bank, nvb, prefix, write)
+    n, d = prefix.shape
+    if not (isinstance(bank, torch.Tensor) and bank.dim() == 3 and bank.shape[0] == n and bank.shape[2] == d
+            and (bank.stride(2) == 1 or d == 1) and bank.dtype == prefix.dtype and bank.device == prefix.device):
+        raise ValueError(f"bank: expected [{n}, NB, {d}] {prefix.dtype} tensor on {prefix.device} with unit stride "
+                         f"along d, got {tuple(getattr(bank, 'shape', ()))} {getattr(bank, 'dtype', type(bank))}")
+    if isinstance(nvb, bool) or not isinstance(nvb, int):
+        raise TypeError(f"nvb: expected an int, got {type(nvb).__name__}")
+    most = bank.shape[1] - 1 if write else bank.shape[1]
+    if not 0 <= nvb <= most:
+        raise ValueError(f"nvb: expected 0 <= nvb <= {most} for a bank of {bank.shape[1]} rows "
+                         f"({'a write point needs row nvb' if write else 'read point'}), got {nvb}")
 
 
 def check_bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps) -> None:
-    """The arguments of `attnres.ops.bank.bank_merge`."""
+    """The arguments of `attnres.ops.bank.bank_merge`: a point, and the phase-1 statistics of its N tokens: m, z `[N]`
+    and u `[N, d]`, floating, on the prefix's device."""
     _check_bank_point(prefix, output, c, out_norm_weight, eps, out_eps)
-    _check_stats(m, z, u, prefix)
+    n, d = prefix.shape
+    for name, t, shape in (("m", m, (n,)), ("z", z, (n,)), ("u", u, (n, d))):
+        if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected a floating tensor of shape {list(shape)}, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        if t.shape != shape or t.device != prefix.device:
+            raise ValueError(f"{name}: expected shape {list(shape)} on {prefix.device}, got {tuple(t.shape)} on "
+                             f"{t.device}")
 
 
 def validated(check: Callable, kernel: Callable) -> Callable:
