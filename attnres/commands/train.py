@@ -121,7 +121,8 @@ def register(sub) -> None:
                     help="shorthand for one dimension over every rank: ddp (--dp-replicate N), fsdp (--dp-shard N), "
                     "tp (--tp N), pipeline (--pp N) (default: %(default)s)")
     dp.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=DEFAULTS["pp_schedule"],
-                    help="pipeline schedule; interleaved needs --virtual-stages >= 2 (default: %(default)s)")
+                    help="pipeline schedule; interleaved and zero-bubble need --virtual-stages >= 2; zero-bubble sends "
+                         "every row (no cross-stage caching) (default: %(default)s)")
     dp.add_argument("--virtual-stages", type=int, default=DEFAULTS["virtual_stages"],
                     help="pipeline: chunks of decoder layers a rank; the layers split evenly into ranks x this "
                     "(default: %(default)s)")

@@ -49,7 +49,8 @@ from attnres.distributed.data_parallel import (
 from attnres.layers.kinds import BLOCK, FULL, STANDARD
 from attnres.layers.streams import ResidualState
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+_MULTI_CHUNK = ("interleaved", "zero-bubble")  # schedules that run several chunks a rank
 
 
 @dataclass(frozen=True)
@@ -313,9 +314,9 @@ def check_pipeline(schedule: str, microbatches: int, virtual_stages: int, num_la
         raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
     _positive_int("microbatches", microbatches)
     _positive_int("virtual_stages", virtual_stages)
-    if (schedule == "interleaved") != (virtual_stages > 1):
+    if (schedule in _MULTI_CHUNK) != (virtual_stages > 1):
         raise ValueError(
-            f"virtual_stages: the {schedule!r} schedule needs {'>= 2' if schedule == 'interleaved' else '1'}, "
+            f"virtual_stages: the {schedule!r} schedule needs {'>= 2' if schedule in _MULTI_CHUNK else '1'}, "
             f"got {virtual_stages}"
         )
     if num_layers % (ranks * virtual_stages):
@@ -338,16 +339,22 @@ class PipelineTrainer:
 
     Every rank passes the same model (same weights); the trainer deletes from it what this rank's chunks do not run
     (`keep_stages`), so a rank holds its stages only. Each rank calls `step` with the same batch and computes only its
-    chunks. `schedule`: "gpipe", "1f1b" (one chunk a rank) or "interleaved" (`ScheduleInterleaved1F1B`,
-    `virtual_stages` >= 2 chunks a rank). `cache_rows`: cross-stage caching (only changes anything with virtual
-    stages). `tp_mesh`: the tensor-parallel ranks of this stage (`parallelize_tensor` on its layers; the stages then
+    chunks. `schedule`: "gpipe", "1f1b" (one chunk a rank), "interleaved" (`ScheduleInterleaved1F1B`, `virtual_stages`
+    >= 2 chunks a rank) or "zero-bubble" (`ScheduleInterleavedZeroBubble`, likewise). `cache_rows`: cross-stage
+    caching (only changes anything with virtual stages; default: on, except under "zero-bubble", whose backward of a
+    chunk's inputs reaches only the rows it received, not those its rank kept). `tp_mesh`: the tensor-parallel ranks of this stage (`parallelize_tensor` on its layers; the stages then
     exchange each rank's tokens of the state). `dp_mesh`: the data-parallel ranks of this stage, over which FSDP2
     shards each chunk (per decoder layer, then the chunk). `traffic` counts what this rank's chunks sent in the last step.
     """
 
     def __init__(self, model: nn.Module, *, schedule: str = "1f1b", microbatches: int, virtual_stages: int = 1,
-                 cache_rows: bool = True, group: dist.ProcessGroup | None = None, dp_mesh=None, tp_mesh=None):
+                 cache_rows: bool | None = None, group: dist.ProcessGroup | None = None, dp_mesh=None, tp_mesh=None):
         _check_model(model)
+        if cache_rows is None:
+            cache_rows = schedule != "zero-bubble"
+        elif cache_rows and schedule == "zero-bubble":
+            raise ValueError("cache_rows: the 'zero-bubble' schedule computes a chunk's input gradients for the rows it "
+                             "received only, so it cannot keep rows between a rank's chunks; pass cache_rows=False")
         if not dist.is_initialized():
             raise ValueError("PipelineTrainer: expected an initialized process group (torchrun or init_process_group)")
         ranks, config = dist.get_world_size(group), model.config
@@ -452,7 +459,9 @@ class PipelineTrainer:
         return loss.item()
 
     def _build(self, batch: int, seq: int):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import (
+            PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+        )
 
         plan, config = self.plan, self.model.config
         b = batch // self.microbatches
@@ -481,5 +490,7 @@ class PipelineTrainer:
 
         if self.schedule_name == "interleaved":
             return ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=loss_fn)
+        if self.schedule_name == "zero-bubble":
+            return ScheduleInterleavedZeroBubble(stages, self.microbatches, loss_fn=loss_fn)
         cls = Schedule1F1B if self.schedule_name == "1f1b" else ScheduleGPipe
         return cls(stages[0], self.microbatches, loss_fn=loss_fn)

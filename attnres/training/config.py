@@ -73,7 +73,7 @@ class TrainConfig:
     dp_replicate: int = 1  # mesh: data-parallel replicas (DDP, or HSDP with dp_shard)
     dp_shard: int = -1  # mesh: data-parallel shards (FSDP2); -1: the ranks the other dimensions leave
     tp: int = 1  # mesh: tensor + sequence parallel ranks
-    pp_schedule: str = "1f1b"  # pipeline: "gpipe", "1f1b" or "interleaved" (with virtual_stages >= 2)
+    pp_schedule: str = "1f1b"  # pipeline: "gpipe", "1f1b", "interleaved" or "zero-bubble" (virtual_stages >= 2)
     virtual_stages: int = 1  # pipeline: chunks of decoder layers a rank
     microbatches: int | None = None  # pipeline: None: one per stage (ranks x virtual_stages)
     dist_timeout: float = DEFAULT_TIMEOUT_S  # seconds a collective waits for the other ranks before the run fails

@@ -52,6 +52,9 @@ CASES = [
     Case(2, "full", 4, "interleaved", 2, 2),
     Case(2, "full", 4, "interleaved", 2, 2, cache_rows=False),
     Case(2, "standard", 4, "1f1b", 2),
+    # zero bubble: the backward split into input and weight gradients (no cross-stage caching: see PipelineTrainer)
+    Case(2, "block", 8, "zero-bubble", 2, 2, block_size=1, cache_rows=False),
+    Case(2, "full", 4, "zero-bubble", 2, 2, cache_rows=False),
     # the last stage runs the family's own head: soft-capped (Gemma 2, with its sliding window) or scaled logits
     Case(2, "block", 4, "1f1b", 2, family="gemma2"),
     Case(2, "full", 4, "1f1b", 2, family="granite"),
@@ -114,6 +117,11 @@ def bad_arguments(group) -> list[str]:
             messages.append(None)
         except ValueError as e:
             messages.append(str(e))
+    try:
+        PipelineTrainer(build_model(CASES[2]), schedule="zero-bubble", microbatches=2, virtual_stages=2,
+                        cache_rows=True, group=group)
+    except ValueError as e:
+        messages.append(str(e))
     trainer = PipelineTrainer(build_model(CASES[0]), microbatches=2, group=group)
     try:
         trainer.step(torch.zeros(3, SEQ, dtype=torch.long), torch.zeros(3, SEQ, dtype=torch.long))
@@ -257,7 +265,8 @@ def test_bad_arguments_raise_value_errors_naming_them(results):
     assert messages[3].startswith("virtual_stages: the '1f1b' schedule needs 1, got 2")
     assert messages[4].startswith("virtual_stages: the 'interleaved' schedule needs >= 2, got 1")
     assert messages[5].startswith("schedule: expected one of")
-    assert messages[6].startswith("input_ids: expected [batch, seq] with batch a multiple of microbatches=2")
+    assert messages[6].startswith("cache_rows: the 'zero-bubble' schedule computes a chunk's input gradients")
+    assert messages[7].startswith("input_ids: expected [batch, seq] with batch a multiple of microbatches=2")
 
 
 def test_tied_embeddings_and_other_models_are_refused():
@@ -320,5 +329,5 @@ def test_train_checks_pipeline_settings_before_it_writes_anything(settings, mess
     config = TrainConfig(**{"parallel": "pipeline", "layers": 4, "batch_size": 8, **settings})
     with pytest.raises(ValueError, match=re.escape(message)):
         check_settings(config, ParallelDims(pp=2))
-    with pytest.raises(ValueError, match="pp_schedule: expected one of gpipe, 1f1b, interleaved, got 'zigzag'"):
+    with pytest.raises(ValueError, match="pp_schedule: expected one of gpipe, 1f1b, interleaved, zero-bubble, got 'zigzag'"):
         TrainConfig(parallel="pipeline", pp_schedule="zigzag")
