@@ -93,7 +93,7 @@ rm -f "$vllm_json"
 if ((${#smoke[@]} > 0)); then  # CPU: tiny sizes (vLLM's CPU attention takes head_dim 64)
     vllm_args=(--dim 128 --layers 2 --heads 2 --vocab 256 --requests 4 --prompt-tokens 8 24 --max-tokens 8)
 else
-    vllm_args=(--dtype bfloat16 --dim 1024 --layers 16 --heads 16 --vocab 32000 --block-size 2)
+    vllm_args=(--dtype bfloat16 --dim 1024 --layers 16 --heads 16 --vocab 32000 --block-size 2 --kv-cache-mib 1024)
 fi
 left=$((budget - (SECONDS - start)))
 timeout -k 10 "$((left > 30 ? left : 30))" "$PYTHON" benchmarks/bench_vllm.py --if-installed "${vllm_args[@]}" \
