@@ -67,8 +67,16 @@ class ParallelDims:
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     """One `DeviceMesh` over the world with the dimensions of `MESH_DIMS` (size-1 ones included, so every
-    parallelism finds its sub-mesh by name); the process group must be initialized."""
-    return init_device_mesh(device_type, tuple(getattr(dims, name) for name in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+    parallelism finds its sub-mesh by name); the process group must be initialized.
+
+    The dimensions a parameter can be sharded over together are also flattened into one (as torchtitan does), so that
+    a reduction over all of them (the gradient norm of a parameter sharded by FSDP2 and tensor parallel) is one
+    collective instead of one per dimension."""
+    mesh = init_device_mesh(device_type, tuple(getattr(dims, name) for name in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+    for group in (("dp_shard", "tp"), ("dp_replicate", "dp_shard", "tp")):
+        if sum(getattr(dims, name) > 1 for name in group) > 1:
+            mesh[group]._flatten()
+    return mesh
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -193,6 +193,7 @@ def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None) -> Tens
     tied = head is not None and embed is not None and head.weight is embed.weight
     if embed is not None:
         parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        embed.weight.register_post_accumulate_grad_hook(_grad_as_held)
     computed: set[int] = set()  # the plain parameters DTensor computes with (ReplicatedCompute modules')
 
     def compute_replicated(module: nn.Module, style: ReplicatedCompute) -> None:
@@ -228,6 +229,15 @@ def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None) -> Tens
     _replicate(model, mesh, computed)
     base.register_forward_pre_hook(_forward_hook(tp), with_kwargs=True)
     return tp
+
+
+def _grad_as_held(param: nn.Parameter) -> None:
+    """The vocabulary-parallel embedding's gradient arrives whole on every rank (Replicate): keep the rows this rank
+    holds (a local slice, no communication), not a whole vocabulary's gradient beside a shard of it."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements and all(
+            isinstance(p, Replicate) for p in grad.placements):
+        param.grad = grad.redistribute(placements=param.placements)
 
 
 def _forward_hook(tp: TensorParallel):

@@ -69,6 +69,7 @@ def _check_training(model, ref, tp, input_ids) -> None:
     grads_ref = {name: p.grad for name, p in ref.named_parameters()}
     for name, p in model.named_parameters():
         torch.testing.assert_close(_full(p.grad), grads_ref[name], msg=name)
+        assert p.grad.to_local().shape == p.to_local().shape, name  # a rank holds its part of each gradient
 
 
 @torch.no_grad()
