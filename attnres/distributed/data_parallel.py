@@ -231,11 +231,18 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device(kind)
 
 
-def is_collective_error(error: BaseException) -> bool:
+def is_collective_error(error: BaseException | None) -> bool:
     """A failed collective, from an error raised by a call that runs collectives (a DDP backward, a pipeline
     schedule): torch's `DistError` family, or a plain `RuntimeError`, the type the backend's errors have once the
-    autograd engine or the pipeline re-raises them. This rank's own errors have types of their own."""
-    return isinstance(error, dist.DistError) or type(error) is RuntimeError
+    autograd engine or the pipeline re-raises them, unless it was raised from an error of another type (the
+    pipeline wraps a stage's own error in a `RuntimeError`): this rank's own errors have types of their own."""
+    while error is not None:
+        if isinstance(error, dist.DistError):
+            return True
+        if type(error) is not RuntimeError:
+            return False
+        error = error.__cause__
+    return True
 
 
 def collective(fn: Callable[[], T], what: str) -> T:

@@ -306,6 +306,9 @@ def _check_model(model: nn.Module) -> None:
         raise TypeError(f"model: expected an AttnResForCausalLM, got {type(model).__name__}")
     if model.config.tie_word_embeddings:
         raise ValueError("model: tie_word_embeddings must be off (the embedding and the head live on different stages)")
+    if getattr(model.config.text_config, "output_router_logits", False):
+        raise ValueError("model: output_router_logits must be off (the router's auxiliary loss needs every layer's "
+                         "router logits, and the last stage sees its own layers only)")
 
 
 def check_pipeline(schedule: str, microbatches: int, virtual_stages: int, num_layers: int, ranks: int) -> None:

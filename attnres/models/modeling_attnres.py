@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from attnres.layers import KeyNorm, NamedPoint, PseudoQuery
@@ -498,5 +498,5 @@ class _HeadOnly:
     def __getattr__(self, name: str):
         return getattr(self._lm, name)
 
-    def model(self, **kwargs) -> BaseModelOutputWithPast:
-        return BaseModelOutputWithPast(last_hidden_state=self._hidden)
+    def model(self, **kwargs) -> MoeModelOutputWithPast:
+        return MoeModelOutputWithPast(last_hidden_state=self._hidden)  # MoE families read router_logits too

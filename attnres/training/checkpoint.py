@@ -161,14 +161,16 @@ def load_sharded_optimizer(path: str | os.PathLike, model: nn.Module, optimizer:
 
 def _in_plain_chunks(state: dict) -> dict:
     """`state` with every DTensor laid out in chunks that `torch.distributed.checkpoint` can describe. A strided shard
-    (transformers' packed gate/up columns of MoE experts: each rank holds two pieces of the dimension) becomes the
-    plain shard of its dimension, through a gather of that tensor: at checkpoint time only."""
+    on the innermost (tensor-parallel) mesh dimension (transformers' packed gate/up columns of MoE experts: each rank
+    holds two pieces of the dimension) becomes the plain shard of its dimension, through a gather of that tensor: at
+    checkpoint time only. FSDP2's own strided shards (over the data-parallel dimension, beside a tensor-parallel
+    shard of the same dimension) are left as they are: the checkpoint describes those."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
     from torch.utils._pytree import tree_map_only
 
     def plain(t: DTensor) -> DTensor:
-        if not any(isinstance(p, _StridedShard) for p in t.placements):
+        if not isinstance(t.placements[-1], _StridedShard):
             return t
         whole = t.redistribute(placements=[Replicate()] * t.device_mesh.ndim).to_local()
         placements = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements]

@@ -58,6 +58,7 @@ CASES = [
     # the last stage runs the family's own head: soft-capped (Gemma 2, with its sliding window) or scaled logits
     Case(2, "block", 4, "1f1b", 2, family="gemma2"),
     Case(2, "full", 4, "1f1b", 2, family="granite"),
+    Case(2, "block", 4, "1f1b", 2, family="qwen3_moe"),  # its head reads router logits from the base model's output
     # 4 ranks: one layer a chunk, so with block size 2 every other hop cuts a block
     Case(4, "block", 4, "1f1b", 4, block_size=1),
     Case(4, "block", 8, "interleaved", 4, 2),
@@ -71,6 +72,7 @@ CASES = [
 FAMILY_FIELDS = {
     "gemma2": dict(head_dim=8, final_logit_softcapping=2.0, sliding_window=4, tie_word_embeddings=False),
     "granite": dict(logits_scaling=4.0),
+    "qwen3_moe": dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
 }
 
 
@@ -278,6 +280,13 @@ def test_tied_embeddings_and_other_models_are_refused():
         PipelineTrainer(tied, microbatches=2)
     with pytest.raises(TypeError, match="model: expected an AttnResForCausalLM, got Linear"):
         PipelineTrainer(torch.nn.Linear(2, 2), microbatches=2)
+    routed = AttnResForCausalLM(AttnResConfig(
+        base_model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        output_router_logits=True,
+    ))
+    with pytest.raises(ValueError, match="model: output_router_logits must be off"):
+        PipelineTrainer(routed, microbatches=2)
 
 
 @pytest.mark.parametrize("two_phase", [False, True])
