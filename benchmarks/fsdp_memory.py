@@ -20,17 +20,13 @@ The peak is the largest sum over the samples; its parts at that sample are print
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import sys
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from attnres.atomic import atomic_write_text
 from attnres.bench.models import add_model_args
-from benchmarks.gloo_ranks import run_on_gloo_ranks
+from benchmarks.gloo_ranks import run_on_gloo_ranks, write_record
 
 MIB = 2**20
 MODES = ("ddp", "fsdp_root", "fsdp_per_layer", "pipeline")
@@ -153,15 +149,8 @@ def main(argv: list[str] | None = None) -> None:
             m = r[mode]
             print(f"{mode:<16} {rank:>4} {m['total'] / MIB:>9.1f} {m['params'] / MIB:>9.1f} {m['grads'] / MIB:>9.1f} "
                   f"{m['optimizer'] / MIB:>9.1f} {m['total'] / ddp[rank]:>7.2f}")
-    payload = {
-        "command": " ".join(["python -m benchmarks.fsdp_memory", *(argv if argv is not None else sys.argv[1:])]),
-        "settings": vars(args) | {"out": str(args.out), "ranks": RANKS, "residual": "block", "block_size": 2},
-        "environment": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},
-        "bytes_per_rank": per_rank,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.out, json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_record("benchmarks.fsdp_memory", args, argv, {"ranks": RANKS, "residual": "block", "block_size": 2},
+                 bytes_per_rank=per_rank)
 
 
 if __name__ == "__main__":

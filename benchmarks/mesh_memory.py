@@ -20,9 +20,6 @@ this model and one with half the layers (so the embedding, head and loss traffic
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import sys
 import weakref
 from collections import defaultdict
 from pathlib import Path
@@ -32,9 +29,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnres.analysis.cost import hop_bytes_per_microbatch, tp_layer_bytes
-from attnres.atomic import atomic_write_text
 from attnres.bench.models import add_model_args
-from benchmarks.gloo_ranks import run_on_gloo_ranks
+from benchmarks.gloo_ranks import run_on_gloo_ranks, write_record
 
 MIB = 2**20
 RANKS = 4
@@ -208,18 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, check in pipeline.items():
         print(f"{name}: pipeline hand-off bytes per hop, measured {check['measured_per_hop']}, "
               f"predicted {check['predicted_per_hop']}")
-    payload = {
-        "command": " ".join(["python -m benchmarks.mesh_memory", *(argv if argv is not None else sys.argv[1:])]),
-        "settings": vars(args) | {"out": str(args.out), "ranks": RANKS, "residual": "block", "block_size": 2},
-        "environment": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},
-        "one_process": one,
-        "per_rank": per_rank,
-        "tensor_parallel_check": tp,
-        "pipeline_check": pipeline,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.out, json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_record("benchmarks.mesh_memory", args, argv, {"ranks": RANKS, "residual": "block", "block_size": 2},
+                 one_process=one, per_rank=per_rank, tensor_parallel_check=tp, pipeline_check=pipeline)
 
 
 if __name__ == "__main__":
