@@ -165,32 +165,38 @@ def _in_plain_chunks(state: dict) -> dict:
     holds two pieces of the dimension) becomes the plain shard of its dimension, through a gather of that tensor: at
     checkpoint time only. FSDP2's own strided shards (over the data-parallel dimension, beside a tensor-parallel
     shard of the same dimension) are left as they are: the checkpoint describes those."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
     from torch.utils._pytree import tree_map_only
 
     def plain(t: DTensor) -> DTensor:
         if not isinstance(t.placements[-1], _StridedShard):
             return t
-        whole = t.redistribute(placements=[Replicate()] * t.device_mesh.ndim).to_local()
-        placements = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements]
-        return distribute_tensor(whole, t.device_mesh, placements, src_data_rank=None)
+        return _relaid(t, [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements])
 
     return tree_map_only(DTensor, plain, state)
 
 
 def _in_layouts_of(state: dict, loaded: dict) -> dict:
     """`loaded` (laid out by `_in_plain_chunks(state)`) back in the layouts of `state`."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor import DTensor
     from torch.utils._pytree import tree_map
 
     def back(want, got):
         if not isinstance(want, DTensor) or got.placements == want.placements:
             return got
-        whole = got.redistribute(placements=[Replicate()] * got.device_mesh.ndim).to_local()
-        return distribute_tensor(whole, want.device_mesh, want.placements, src_data_rank=None)
+        return _relaid(got, want.placements)
 
     return tree_map(back, state, loaded)
+
+
+def _relaid(t, placements):
+    """DTensor `t` laid out as `placements` on its mesh, through the whole tensor (a strided shard cannot be
+    redistributed to a plain one directly)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    whole = t.redistribute(placements=[Replicate()] * t.device_mesh.ndim).to_local()
+    return distribute_tensor(whole, t.device_mesh, placements, src_data_rank=None)
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
