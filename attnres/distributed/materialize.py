@@ -6,6 +6,9 @@ is torchtitan's order: no rank ever holds the whole model. Each module is initia
 parameters at a time, the largest transient), by the `_init_weights` of the transformers model it belongs to (what
 `initialize_weights` would dispatch to it), from a seed of the module's name; each rank then keeps its part of every
 parameter. So every mesh, and one process, start from the same weights.
+
+What is already real is kept: a model whose family weights were loaded from a folder (`load_local_shards`) gets only
+the rest made (its AttnRes parameters at their init, its non-persistent buffers such as rotary frequencies).
 """
 
 from __future__ import annotations
@@ -21,18 +24,24 @@ from attnres.layers.depth_attention import KeyNorm, PseudoQuery
 
 
 def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.Module:
-    """Allocate `model`'s parameters and buffers on `device` (what this rank holds of them) and initialize them; see
+    """Allocate on `device` what of `model` is on the meta device (what this rank holds of it) and initialize it; see
     the module docstring. A parameter that no init writes raises a ValueError naming it. Returns `model`."""
-    tied = _tied_slots(model)
-    model.to_empty(device=device)  # gives each slot of a tied parameter its own tensor: tied again below
-    for (module, name), *others in tied:
-        for other, other_name in others:
-            other._parameters[other_name] = module._parameters[name]
+    tied = tied_groups(model)
+    made, modules_with_buffers = _allocate(model, device)  # gives each slot of a tied parameter its own tensor
+    for names in tied:
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner)._parameters[attr] = first
     done: set[int] = set()  # a tied parameter is initialized once, by the first module that holds it
     with torch.no_grad(), init.guard_torch_init_functions():
         for name, module, owner in _modules_and_owners(model):
             params = {n: p for n, p in module._parameters.items() if p is not None}
-            # every slot gets a stand-in, so that the init of a slot whose parameter is done (tied) writes nowhere
+            todo = {n: p for n, p in params.items() if id(p) in made and id(p) not in done}
+            if not todo and module not in modules_with_buffers:
+                continue
+            # every slot gets a stand-in, so that the init of a slot whose parameter is done (tied, or loaded) writes
+            # nowhere
             whole = {n: nn.Parameter(torch.full(p.shape, torch.nan, dtype=p.dtype, device=device),
                                      requires_grad=False) for n, p in params.items()}
             held = dict(module._parameters)
@@ -46,9 +55,7 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.M
                     module.weight.fill_(1.0)
             finally:
                 module._parameters.update(held)
-            for n, p in params.items():
-                if id(p) in done:
-                    continue
+            for n, p in todo.items():
                 if whole[n].isnan().any():
                     raise ValueError(f"model: no init writes {name}.{n} ({type(module).__name__}); it cannot be "
                                      f"built on the meta device")
@@ -57,14 +64,30 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.M
     return model
 
 
-def _tied_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """The (module, name) slots of each parameter held in more than one (a tied embedding and head)."""
-    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter held under more than one (a tied embedding and head), in module order."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _allocate(model: nn.Module, device: torch.device | str) -> tuple[dict[int, nn.Parameter], set[nn.Module]]:
+    """Give each meta parameter and buffer of `model` an uninitialized tensor on `device` (a DTensor keeps its layout:
+    its local part is allocated), as `to_empty` does, keeping what is real. Returns the new parameters by id (held, so
+    that no id is reused while they are looked up) and the modules that got new buffers."""
+    made, modules_with_buffers = {}, set()
     for module in model.modules():
         for name, param in module._parameters.items():
-            if param is not None:
-                slots.setdefault(id(param), []).append((module, name))
-    return [s for s in slots.values() if len(s) > 1]
+            if param is not None and param.is_meta:
+                new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                module._parameters[name] = new
+                made[id(new)] = new
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+                modules_with_buffers.add(module)
+    return made, modules_with_buffers
 
 
 def _copy_into(param: torch.Tensor, whole: torch.Tensor) -> None:

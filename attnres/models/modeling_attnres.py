@@ -94,7 +94,7 @@ class AttnResCausalLMOutput(CausalLMOutputWithPast):
 
 # transformers' Mixtral-style renaming `.block_sparse_moe.` <-> `.mlp.` is a regex whose dots match any character, so
 # saving turns `mlp_res_proj` into `block_sparse_moe.res_proj` and loading into `mlp.res_proj`: map those back
-_MLP_RES_REPAIR = {r"\.(?:block_sparse_moe|mlp)\.res_(proj|norm)\.weight$": r".mlp_res_\1.weight"}
+MLP_RES_REPAIR = {r"\.(?:block_sparse_moe|mlp)\.res_(proj|norm)\.weight$": r".mlp_res_\1.weight"}
 
 
 def _family_lm_class(config: AttnResConfig) -> type[PreTrainedModel]:
@@ -210,7 +210,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
         (`attnres.models.loading`): a mismatch raises a ValueError naming the tensors or the setting."""
         want_info = kwargs.pop("output_loading_info", False)
         ignore_mismatched_sizes = kwargs.pop("ignore_mismatched_sizes", False)
-        kwargs["key_mapping"] = {**_MLP_RES_REPAIR, **(kwargs.get("key_mapping") or {})}
+        kwargs["key_mapping"] = {**MLP_RES_REPAIR, **(kwargs.get("key_mapping") or {})}
         model, info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
         )

@@ -141,8 +141,9 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
     run_dir = Path(config.out or config.default_out())
     if model is not None and config.init_from is not None:
         raise ValueError("init_from: the run was given a model too; give either a model or init_from")
-    if config.init_from is not None:  # a pretrained folder, converted exactly, with its own tokenizer
-        model, tokenizer = load_init_from(config)
+    pretrained = None
+    if config.init_from is not None:  # a pretrained folder, converted exactly, with its own tokenizer; on the meta
+        model, tokenizer, pretrained = load_init_from(config)  # device: each rank loads what it holds, once parallelized
         torch.manual_seed(config.seed)
     else:
         tokenizer = load_tokenizer(config.tokenizer, config.allow_download)
@@ -165,8 +166,13 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
         model.to(device)
     model.train()
     mesh = build_mesh(dims, device.type) if ranks.distributed else None
-    # TP and FSDP shard `model`, PP cuts it, then each rank allocates what it holds; DDP wraps it
-    allocate = (lambda m: materialize(m, device, config.seed)) if on_meta else (lambda m: None)
+    # TP and FSDP shard `model`, PP cuts it, then each rank allocates (or loads) what it holds; DDP wraps it
+    def allocate(m: nn.Module) -> None:
+        if pretrained is not None:
+            pretrained.load(m, device, config.seed)
+        elif on_meta:
+            materialize(m, device, config.seed)
+
     steps = training_steps(model, config, ranks, dims, mesh, allocate)
     checkpoints = run_dir / CHECKPOINTS
     last = (latest_checkpoint(checkpoints) if config.resume else None) or branch  # its own checkpoint comes first
