@@ -2,6 +2,7 @@
 `freeze_base`; resume and final/ as in any run; conflicting settings refused."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -9,7 +10,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from attnres.cli import main
 from attnres.tokenization import byte_tokenizer
+from attnres.models import convert_from_hf
 from attnres.training import ByteTokenizer, TrainConfig, eval_batches, read_corpus, read_log, tokenize_and_split, train
+from attnres.training.init_from import load_init_from
 from attnres.training.optim import is_attn_res_param
 from tests.training.test_loop import restore_threads  # noqa: F401 - `threads` is process-wide: give it back after
 
@@ -17,6 +20,11 @@ DATA = dict(data="stdlib", max_bytes=30_000, seq_len=16, batch_size=2, eval_batc
 FAMILIES = {  # tiny family configs whose weights are drawn wide (std 0.3), so the source is far from a uniform guess
     "llama": dict(model_type="llama"),
     "qwen3": dict(model_type="qwen3", head_dim=8),
+    # saved with per-expert keys under Mixtral's legacy names (`block_sparse_moe`, w1/w2/w3), fused on loading
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=8, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32),
+    "qwen3, tied": dict(model_type="qwen3", head_dim=8, tie_word_embeddings=True),
 }
 
 
@@ -26,14 +34,16 @@ def continued(tmp_path, source, name="run", **overrides) -> TrainConfig:
     return TrainConfig(**{**settings, **overrides})
 
 
-def family_folder(folder, family: str):
-    """A tiny pretrained-looking causal LM of `family` with the byte tokenizer, saved as a transformers folder."""
+def family_folder(folder, family: str, hidden_size: int = 16, heads: int = 2, dtype=torch.float32, **save):
+    """A tiny pretrained-looking causal LM of `family` with the byte tokenizer, saved as a transformers folder in
+    `dtype` (`save`: `save_pretrained`'s options)."""
     config = AutoConfig.for_model(
-        **FAMILIES[family], vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.3,
+        **FAMILIES[family], vocab_size=256, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=4, num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=64,
+        initializer_range=0.3,
     )
     torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(folder, **save)
     byte_tokenizer().save_pretrained(folder)
     return folder
 
@@ -70,6 +80,46 @@ def test_step_zero_validation_loss_is_the_source_models(tmp_path, family, residu
     assert result.model.config.base_model_type == family
     has_queries = any(is_attn_res_param(n) for n, _ in result.model.named_parameters())
     assert has_queries == (residual != "standard")
+
+
+@pytest.mark.parametrize("family, save", [
+    ("mixtral", {}),  # per-expert weights under legacy names, fused and renamed by transformers' loading
+    ("qwen3, tied", dict(dtype=torch.bfloat16, max_shard_size="20KB")),  # bf16, in several files with an index
+])
+def test_the_model_is_what_convert_from_hf_gives(tmp_path, family, save):
+    """Built on the meta device from the folder's config and loaded through transformers' loading, the run's model is
+    `convert_from_hf` of the folder's model: every weight and buffer, the config and the generation settings."""
+    source = family_folder(tmp_path / "source", family, **save)
+    config = continued(tmp_path, source, residual="full")
+    model, _, pretrained = load_init_from(config)
+    assert all(p.is_meta for p in model.parameters())
+    pretrained.load(model, "cpu", config.seed)
+    original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    expected = convert_from_hf(original, residual="full", attn_res_block_size=config.block_size)
+    assert model.config.to_dict() == expected.config.to_dict()
+    assert model.generation_config.to_dict() == expected.generation_config.to_dict()
+    for mine, theirs in ((model.state_dict(), expected.state_dict()), (dict(model.named_buffers()),
+                                                                       dict(expected.named_buffers()))):
+        assert mine.keys() == theirs.keys()
+        for name, tensor in theirs.items():
+            assert mine[name].dtype == tensor.dtype and torch.equal(mine[name], tensor), name
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_a_folder_without_a_weight_is_refused_naming_it(tmp_path, llama):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "cut"
+    shutil.copytree(llama, folder)
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\]"):
+        train(continued(tmp_path, folder, name="run-cut"))
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="init_from: .* holds no weights transformers can read"):
+        train(continued(tmp_path, folder, name="run-none"))
 
 
 @pytest.fixture(scope="module")
