@@ -55,6 +55,7 @@ constexpr int64_t kVecBytes = 16;
 template <class T, int64_t N>
 struct VecOf {
   typedef T type __attribute__((vector_size(N * sizeof(T))));
+  typedef T unaligned __attribute__((vector_size(N * sizeof(T)), aligned(alignof(T))));  // for loads and stores
 };
 template <class A>
 constexpr int64_t kWidth = kVecBytes / sizeof(A);  // lanes of one register
@@ -81,8 +82,11 @@ struct Plain {
   using acc = T;
   static T load(T v) { return v; }
   static T store(T v) { return v; }
-  static Vec<T> vload(const T* p) { return load_bits<Vec<T>>(p); }
-  static void vstore(T* p, Vec<T> v) { store_bits(p, v); }
+  // typed by the element rather than through memcpy, which may alias anything: after a memcpy store the compiler
+  // reloads every pointer, weight and bound of the loop from memory
+  using Unaligned = typename VecOf<T, kWidth<T>>::unaligned;
+  static Vec<T> vload(const T* p) { return *reinterpret_cast<const Unaligned*>(p); }
+  static void vstore(T* p, Vec<T> v) { *reinterpret_cast<Unaligned*>(p) = v; }
 };
 using F32 = Plain<float>;
 using F64 = Plain<double>;
@@ -154,11 +158,46 @@ inline Vec<A> splat(A a) {
   return Vec<A>{} + a;
 }
 
+// The sum of a register's lanes by halving (log2 of the width in adds, not a chain of one add per lane).
+template <class V, int64_t N>
+inline auto fold_halves(V v) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    using Half = typename VecOf<std::remove_cvref_t<decltype(v[0])>, N / 2>::type;
+    Half lo, hi;
+    std::memcpy(&lo, &v, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+    return fold_halves<Half, N / 2>(lo + hi);
+  }
+}
 template <class A>
 inline A hsum(Vec<A> v) {
-  A t = 0;
-  for (int64_t k = 0; k < kWidth<A>; ++k) t += v[k];
-  return t;
+  return fold_halves<Vec<A>, kWidth<A>>(v);
+}
+
+// dot_rows for rows of at most kFold registers and NY rows y: one row x_j at a time, its NY products and sum of
+// squares held in registers (a short row's loads are few, so reading the rows side by side gains nothing, and the
+// partial sums stay out of memory).
+template <class K, int64_t NY, class A = typename K::acc>
+inline void dot_rows_short(const typename K::raw* const* x, int64_t count, const A* const* y, int64_t d, A* out,
+                           A* sq) {
+  constexpr int64_t w = kWidth<A>;
+  for (int64_t j = 0; j < count; ++j) {
+    Vec<A> part[NY + 1] = {};
+    int64_t i = 0;
+    for (; i + w <= d; i += w) {
+      const Vec<A> xv = K::vload(x[j] + i);
+      for (int64_t q = 0; q < NY; ++q) part[q] += xv * Plain<A>::vload(y[q] + i);
+      if (sq != nullptr) part[NY] += xv * xv;
+    }
+    for (int64_t q = 0; q <= NY; ++q) {
+      if (q == NY && sq == nullptr) break;
+      A t = hsum<A>(part[q]);
+      for (int64_t e = i; e < d; ++e) t += K::load(x[j][e]) * (q < NY ? y[q][e] : K::load(x[j][e]));
+      (q < NY ? out[j * NY + q] : sq[j]) = t;
+    }
+  }
 }
 
 // For each of `count` rows x_j of d elements (storage K): out[j * n_y + k] = x_j . y_k for n_y rows y_k (accumulator
@@ -175,6 +214,13 @@ inline void dot_rows(const typename K::raw* const* x, int64_t count, const std::
   using P = Plain<A>;
   constexpr int64_t w = kWidth<A>, line = 64 / sizeof(typename K::raw), kFold = 32;
   static_assert(line % w == 0, "a cache line of the storage format must fill whole registers");
+  if (d <= kFold * w) {  // short rows (already few terms per lane): one row at a time, its sums in registers
+    switch (n_y) {
+      case 0: return dot_rows_short<K, 0>(x, count, y, d, out, sq);
+      case 1: return dot_rows_short<K, 1>(x, count, y, d, out, sq);
+      case 2: return dot_rows_short<K, 2>(x, count, y, d, out, sq);
+    }
+  }
   const int64_t n_part = count * (n_y + 1);  // per row x_j: its n_y products, then its sum of squares
   Vec<A>* part = scratch;
   Vec<A>* total = scratch + n_part;
@@ -338,11 +384,11 @@ inline void store_mixture(typename K::raw* out, const A* acc, A inv_z, const A* 
 }
 
 // The forward for one token over its n_src rows x: writes the (normed) mixture to `out` and leaves each row's score
-// and key rstd in s.score and s.rstd; returns (the largest score, 1 / sum_j exp(score_j - largest)). Never inlined:
+// and key rstd in s.score and s.rstd, and p_j = exp(score_j - largest) in s.p; returns 1 / sum_j p_j. Never inlined:
 // the one-shot op and the fused bank ops run this very code, so they agree bit for bit (inlined copies could be
 // contracted into FMAs differently).
 template <class K>
-__attribute__((noinline)) std::pair<typename K::acc, typename K::acc> forward_token(
+__attribute__((noinline)) typename K::acc forward_token(
     const typename K::raw* const* x, int64_t n_src, const typename K::acc* c, const typename K::acc* out_w,
     double eps, double out_eps, int64_t d, ForwardScratch<typename K::acc>& s, typename K::raw* out) {
   using A = typename K::acc;
@@ -365,9 +411,11 @@ __attribute__((noinline)) std::pair<typename K::acc, typename K::acc> forward_to
     mix_rows<K>(x + g0, s.p.data() + g0, g1 - g0, g0 > 0, scale, d, s.acc.data());
     mx = new_mx;
   }
+  const int64_t last_group = (n_src - 1) / group * group;
+  for (int64_t j = 0; j < last_group; ++j) s.p[j] = std::exp(s.score[j] - mx);  // earlier groups: the final shift
   const A inv_z = A(1) / z;
   store_mixture<K>(out, s.acc.data(), inv_z, out_w, out_eps, d);
-  return {mx, inv_z};
+  return inv_z;
 }
 
 template <class K>
@@ -382,10 +430,10 @@ void forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const t
     std::vector<const R*> x(n_src);
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t j = 0; j < n_src; ++j) x[j] = src[j][n];
-      const auto [mx, inv_z] = forward_token<K>(x.data(), n_src, c, out_w, eps, out_eps, d, s, out + n * d);
+      const A inv_z = forward_token<K>(x.data(), n_src, c, out_w, eps, out_eps, d, s, out + n * d);
       for (int64_t j = 0; j < n_src; ++j) {
         rstd[j * n_tok + n] = s.rstd[j];
-        weights[j * n_tok + n] = std::exp(s.score[j] - mx) * inv_z;
+        weights[j * n_tok + n] = s.p[j] * inv_z;
       }
     }
   });
