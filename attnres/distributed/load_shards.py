@@ -62,8 +62,10 @@ def load_local_shards(model: nn.Module, files: list[str], device: torch.device |
     with ExitStack() as opened:
         tensors = {}
         for path in files:
-            if path.endswith(".safetensors"):  # lazy slices: a rank reads only its part of each tensor
-                f = opened.enter_context(safe_open(path, framework="pt"))
+            if path.endswith(".safetensors"):  # lazy slices: a rank reads only its part of each tensor, into
+                # memory of its own (memory-mapped, the weights would be views of the file: its pages, and a file
+                # rewritten while the run trains would change or lose them)
+                f = opened.enter_context(safe_open(path, framework="pt", backend="pread"))
                 tensors.update({key: f.get_slice(key) for key in f.keys()})
             else:  # a .bin: `torch.load(weights_only=True)`, memory-mapped
                 tensors.update(load_state_dict(path))

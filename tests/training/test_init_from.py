@@ -107,6 +107,32 @@ def test_the_model_is_what_convert_from_hf_gives(tmp_path, family, save):
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+def test_an_attn_res_moe_folder_loads_as_from_pretrained_does(tmp_path):
+    """An AttnRes folder of an MoE family, as `save_pretrained` writes it: per-expert weights under Mixtral's legacy
+    names, and the pseudo-queries beside them renamed by the same rule; loaded as `from_pretrained` loads it."""
+    from attnres.models import AttnResForCausalLM
+    from attnres.training.loop import build_model
+
+    settings = dict(residual="block", block_size=1)
+    model = build_model(TrainConfig(layers=2, dim=16, heads=2, ffn=16, base="mixtral", **settings,
+                                    base_config=dict(num_local_experts=4, num_experts_per_tok=2)), 256)
+    with torch.no_grad():  # trained-looking pseudo-queries and key gains, so that an init would not pass for them
+        for name, p in model.named_parameters():
+            if is_attn_res_param(name):
+                p.normal_()
+    folder = tmp_path / "final"
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    config = continued(tmp_path, folder, **settings)
+    loaded, _, pretrained = load_init_from(config)
+    pretrained.load(loaded, "cpu", config.seed)
+    expected = AttnResForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    got = loaded.state_dict()
+    assert got.keys() == expected.keys() == model.state_dict().keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor) and torch.equal(tensor, model.state_dict()[name]), name
+
+
 def test_a_folder_without_a_weight_is_refused_naming_it(tmp_path, llama):
     from safetensors.torch import load_file, save_file
 
