@@ -45,25 +45,13 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 step "install from wheels/ what is missing or at another version"
 site=${TMPDIR:-/tmp}/attnres-gpu-site
 rm -rf "$site"
-shopt -s nullglob
-wheels=(wheels/*.whl)
 if ((${#smoke[@]} > 0)) && [[ "${GPU_CHECK_INSTALL:-0}" != 1 ]]; then
-    wheels=()  # --smoke uses this environment as it is, unless GPU_CHECK_INSTALL=1 (a dry run of the GPU machine)
+    echo "--smoke: this environment as it is (GPU_CHECK_INSTALL=1 installs from wheels/ too: a dry run)"
+elif [[ -d wheels ]]; then
+    "$PYTHON" benchmarks/gpu_wheels.py wheels "$site"
+else
+    echo "no wheels/ folder (benchmarks/download_wheels.sh, carried): this machine's own packages"
 fi
-for wheel in "${wheels[@]}"; do
-    name=$(basename "$wheel")
-    dist=${name%%-*}
-    want=${name#"$dist"-}
-    want=${want%%-*}
-    have=$("$PYTHON" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$dist" 2>/dev/null)
-    if [[ "$have" == "$want" ]]; then
-        echo "$dist $want: installed"
-    elif "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --target "$site" "$wheel"; then
-        echo "$dist $want: installed from $wheel (found: ${have:-none})"
-    else
-        echo "$dist $want: install from $wheel FAILED (found: ${have:-none})"
-    fi
-done
 # PYTHONPATH comes before site-packages: a wheel installed here wins over another version installed there
 if [[ -d "$site" ]]; then
     if PYTHONPATH="$site:$PYTHONPATH" "$PYTHON" -c "import transformers, attnres.models" 2>/dev/null; then

@@ -181,3 +181,54 @@ def test_a_peer_that_raises_anything_at_import_is_reported_not_fatal(monkeypatch
 
     monkeypatch.setattr(check.importlib, "import_module", imports)
     assert check.fla_status() == "not importable (RuntimeError: Found no NVIDIA driver on your system)"
+
+
+def fake_wheel(folder: Path, dist: str, version: str) -> Path:
+    """A pure-Python wheel of `dist` at `version` whose module records its version."""
+    import zipfile
+
+    info = f"{dist}-{version}.dist-info"
+    files = {f"{dist}/__init__.py": f"VERSION = {version!r}\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    path = folder / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return path
+
+
+def test_wheels_install_where_the_package_is_missing_or_at_another_version(tmp_path):
+    """The GPU machine has transformers, at 5.17: a package installed at any version is not enough."""
+    import importlib.metadata
+
+    import gpu_wheels
+
+    have = importlib.metadata.version("einops")
+    site = tmp_path / "site"
+    (tmp_path / "old").mkdir()
+    lines = gpu_wheels.install([fake_wheel(tmp_path / "old", "einops", "0.0.1"),
+                                fake_wheel(tmp_path / "old", "attnres_absent_probe", "1.0")], site)
+    assert f"einops 0.0.1: from {tmp_path / 'old' / 'einops-0.0.1-py3-none-any.whl'} (found: {have})" in lines
+    assert any(line.startswith("attnres_absent_probe 1.0: from") and "(found: none)" in line for line in lines)
+    assert (site / "einops" / "__init__.py").read_text() == "VERSION = '0.0.1'\n"
+    assert (site / "attnres_absent_probe").is_dir()
+
+    (tmp_path / "same").mkdir()
+    lines = gpu_wheels.install([fake_wheel(tmp_path / "same", "einops", have)], site)
+    assert lines == [f"einops {have}: installed"] and not site.exists()  # emptied, nothing to install
+
+
+def test_the_carried_transformers_is_the_one_attnres_requires():
+    """download_wheels.sh carries a transformers that pyproject accepts (it refuses 5.17, the GPU machine's)."""
+    import re
+
+    from packaging.requirements import Requirement
+
+    script = (ROOT / "benchmarks" / "download_wheels.sh").read_text()
+    carried = dict(re.findall(r"([\w.-]+)==([\w.]+)", re.search(r"PACKAGES=\((.*?)\)", script).group(1)))
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    required = Requirement(re.search(r'"(transformers[<>=~!][^"]*)"', pyproject).group(1))
+    assert "transformers" in carried and required.specifier.contains(carried["transformers"])
+    assert not required.specifier.contains("5.17.0")
