@@ -12,10 +12,11 @@
 #   benchmarks/gpu_check.sh --smoke    # the same stages on CPU, tiny sizes, Triton interpreted (CI runs this)
 #   GPU_CHECK_INSTALL=1 PYTHON=venv/bin/python benchmarks/gpu_check.sh --smoke   # a dry run: installs from wheels/ too
 #
-# Written as they come (a run cut short keeps them): gpu_check.json (the report, rewritten after every stage),
-# gpu_check.stages/ (each stage's own JSON, rewritten at every result, and op_tests.log; vllm.json) and gpu_check.log
-# (this script's output); the vLLM stage's record is the report's "vllm" entry. Exit status: 0 when every stage ran
-# (the vLLM stage may be "not run") and every parity check passed, 1 otherwise.
+# Written as they come (a run cut short keeps them), three files at most besides a stage under way (the device tool
+# brings back eight): gpu_check.json (the report, rewritten after every stage; the vLLM stage's record is its "vllm"
+# entry), gpu_check.log (this script's output) and gpu_check.stages/ (the JSON of the stage under way, rewritten at
+# every result and removed once the report holds it, and op_tests.log). Exit status: 0 when every stage ran (the vLLM
+# stage may be "not run") and every parity check passed, 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
@@ -99,6 +100,8 @@ report["vllm"] = stage
 with open(report_path + ".tmp", "w") as f:
     json.dump(report, f, indent=1)
 os.replace(report_path + ".tmp", report_path)
+if os.path.exists(stage_path):
+    os.remove(stage_path)  # now in the report
 print(f"vllm: {stage['status']}: " + stage.get("why", f"ratio to the original {stage.get('ratio_to_original')}"))
 EOF
 

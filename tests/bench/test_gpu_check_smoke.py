@@ -23,7 +23,8 @@ import triton  # noqa: F401 - a dev dependency: missing, the tests error
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def smoke_out(tmp_path_factory) -> Path:
+    """The report of one `gpu_check.sh --smoke`, in a folder of its own."""
     out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
     env = {**os.environ, "GPU_CHECK_JSON": str(out), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     env.pop("OUT", None)
@@ -32,7 +33,19 @@ def report(tmp_path_factory):
     assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
     assert "PASS  parity: block two-phase fp32" in proc.stdout
     assert "PASS  parity: block two-phase fp32" in out.with_suffix(".log").read_text()  # the run's own log
-    return json.loads(out.read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(smoke_out) -> dict:
+    return json.loads(smoke_out.read_text())
+
+
+def test_what_is_left_comes_back_from_the_device_tool(smoke_out, report):
+    """The device tool brings back at most 8 files: each stage's own JSON goes once the report holds it."""
+    files = sorted(str(f.relative_to(smoke_out.parent)) for f in smoke_out.parent.rglob("*") if f.is_file())
+    assert files == ["gpu_check.json", "gpu_check.log"], files
+    assert report["vllm"]["status"] == "not run"
 
 
 def test_every_stage_ran(report):
