@@ -155,6 +155,20 @@ def test_the_headline_stage_runs_first_with_its_whole_limit():
     assert "GPU_CHECK_SECONDS:-540" in (ROOT / "benchmarks" / "gpu_check.sh").read_text()
 
 
+def test_the_whole_check_fits_one_device_call():
+    """The budget, then gpu_model_check.py's kill past it and the vLLM stage's least limit, under the 600 s a device
+    call may run (its last stage may overrun the deadline by the 10 s a hung child is given to terminate)."""
+    import re
+
+    script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    budget = int(re.search(r"GPU_CHECK_SECONDS:-(\d+)", script).group(1))
+    model = re.search(r'timeout -k (\d+) "\$\(\(left \+ (\d+)\)\)" "\$PYTHON" benchmarks/gpu_model_check', script)
+    vllm = re.search(r'timeout -k (\d+) "\$\(\(left > (\d+) \? left : \2\)\)" "\$PYTHON" benchmarks/bench_vllm', script)
+    (kill, past), (vllm_kill, vllm_least) = map(int, model.groups()), map(int, vllm.groups())
+    assert past >= 10 + 5  # the last stage's overrun and the report's writing come before the kill
+    assert budget + past + kill + vllm_least + vllm_kill <= 590
+
+
 def test_a_stale_stage_file_is_not_read_as_this_runs(tmp_path, monkeypatch):
     (tmp_path / "memory.json").write_text(json.dumps({"result": {"old": 1}, "errors": {}}))
 
