@@ -75,6 +75,7 @@ def test_decode_variants_match_the_reference(report):
     for name in variants:
         row = decode[name]
         assert row["passed"] and row["tokens_equal"] and row["kernel_calls"]["bank_aggregate"] > 0, (name, row)
+    assert "static buffers" in variants[-1]  # the CUDA graph variant last: a failed capture can poison the context
 
 
 def test_memory_timing_and_operator_rows(report):
@@ -208,6 +209,37 @@ def test_a_peer_that_raises_anything_at_import_is_reported_not_fatal(monkeypatch
 
     monkeypatch.setattr(check.importlib, "import_module", imports)
     assert check.fla_status() == "not importable (RuntimeError: Found no NVIDIA driver on your system)"
+
+
+def test_operator_inputs_are_drawn_on_the_device(monkeypatch):
+    """The K3 shapes need about 1e9 normal samples: drawn on the CPU and copied they take minutes."""
+    import gpu_bench
+
+    draws, real = [], torch.randn
+
+    def randn(*size, **kwargs):
+        draws.append(kwargs.get("device"))
+        return real(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "randn", randn)
+    device = torch.device("cpu")
+    gpu_bench.make_inputs(gpu_bench.SMOKE_SHAPES[0], device)
+    gpu_bench.make_bank_inputs(gpu_bench.SMOKE_BANK_SHAPES[0], device)
+    assert draws and all(d == device for d in draws), draws
+
+
+def test_the_kernel_tests_run_with_one_config_and_keep_their_log(tmp_path, monkeypatch):
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(
+        "import os\n"
+        "def test_one_config():\n"
+        f"    assert os.environ.get({check.SINGLE_CONFIG_ENV!r}) == '1'\n"
+        "    print('probe ran')\n")
+    monkeypatch.setattr(check, "OP_TESTS", [str(probe), "-s"])
+    got = check.run_op_tests(60.0, tmp_path / "op_tests.log")
+    assert got["status"] == "ok", got
+    log = (tmp_path / "op_tests.log").read_text()
+    assert "probe ran" in log and "1 passed" in got["result"]["summary"]
 
 
 def fake_wheel(folder: Path, dist: str, version: str) -> Path:
