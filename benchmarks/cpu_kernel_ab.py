@@ -1,0 +1,131 @@
+"""A/B of the compiled CPU kernel between two revisions of its source, in one process, calls interleaved.
+
+Each revision's `attnres/ops/cpu/depth_attention.cpp` (a git revision, or the working tree) is compiled with the
+project's own flags under an op namespace of its own, so both load side by side; each repeat times the base's calls
+and the head's on the same sources, each first in turn. On a shared, noisy machine this keeps load changes out of the
+ratio, which separate processes do not. The case is the Full schedule of a model (aggregation points over 1, 2, ...,
+2L + 1 sources of `[tokens, d]`), its forward and its backward (with the fused output norm), calling the kernels
+directly.
+
+    python -m benchmarks.cpu_kernel_ab --base HEAD~1                     # the working tree against its parent
+    python -m benchmarks.cpu_kernel_ab --base 9b70f0a --head 4214f55 --threads 2 --out docs/cpu_kernel_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from attnres.ops.cpu.build import SOURCE, compile_command
+from benchmarks.gloo_ranks import write_record
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKTREE = "worktree"
+EPS = 1e-6
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", required=True, help="git revision of the reference kernel source")
+    p.add_argument("--head", default=WORKTREE, help=f"git revision to compare, or {WORKTREE!r} (default)")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per source (default: 16 x 128)")
+    p.add_argument("--dim", type=int, default=96, help="residual width d (default: the small model's 96)")
+    p.add_argument("--layers", type=int, default=6, help="decoder layers L: points over 1 .. 2L + 1 sources")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--repeats", type=int, default=40, help="interleaved repeats (default 40)")
+    p.add_argument("--out", type=Path, default=None, help="JSON record to write (default: print only)")
+    args = p.parse_args(argv)
+    if args.base == args.head:
+        p.error("--base and --head: expected two different revisions")
+    for name in ("tokens", "dim", "layers", "threads", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}: expected a positive number, got {getattr(args, name)}")
+    return args
+
+
+def kernel_source(revision: str) -> str:
+    if revision == WORKTREE:
+        return SOURCE.read_text()
+    path = SOURCE.relative_to(ROOT).as_posix()
+    try:
+        done = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise SystemExit(f"--base/--head: {revision!r} is a git revision, and git is not installed") from None
+    if done.returncode != 0:
+        raise SystemExit(f"--base/--head: git cannot show {path} at {revision!r}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def load_ops(name: str, source: str, folder: Path):
+    """The kernel compiled from `source` with its ops registered as `torch.ops.<name>`."""
+    renamed = source.replace("TORCH_LIBRARY(attnres_cpu,", f"TORCH_LIBRARY({name},").replace(
+        "TORCH_LIBRARY_IMPL(attnres_cpu,", f"TORCH_LIBRARY_IMPL({name},"
+    )
+    if renamed.count(name) != 2:
+        raise SystemExit(f"{name}: the kernel source does not register the attnres_cpu library as expected")
+    cpp, library = folder / f"{name}.cpp", folder / f"{name}.so"
+    cpp.write_text(renamed)
+    subprocess.run(compile_command(cpp, library), check=True)
+    torch.ops.load_library(str(library))
+    return getattr(torch.ops, name)
+
+
+def full_schedule(ops, sources, c, norm_weight, grad_out, saved):
+    """The forward and the backward of every point of the Full schedule, as two callables."""
+
+    def forward():
+        for r in range(1, len(sources) + 1):
+            ops.depth_attention_fwd(sources[:r], c, norm_weight, EPS, EPS)
+
+    def backward():
+        for r, (_, weights, rstd) in enumerate(saved, start=1):
+            ops.depth_attention_bwd(grad_out, None, sources[:r], c, norm_weight, weights, rstd, EPS)
+
+    return {"forward": forward, "backward": backward}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        ops = {side: load_ops(f"ab_{side}", kernel_source(rev), Path(tmp)) for side, rev in
+               (("base", args.base), ("head", args.head))}
+    gen = torch.Generator().manual_seed(0)
+    sources = [torch.randn(args.tokens, args.dim, generator=gen) for _ in range(2 * args.layers + 1)]
+    c = 0.1 * torch.randn(args.dim, generator=gen)
+    norm_weight, grad_out = torch.ones(args.dim), torch.randn(args.tokens, args.dim, generator=gen)
+    saved = [ops["base"].depth_attention_fwd(sources[:r], c, norm_weight, EPS, EPS) for r in range(1, len(sources) + 1)]
+    cases = {side: full_schedule(o, sources, c, norm_weight, grad_out, saved) for side, o in ops.items()}
+    times = {(side, phase): [] for side in cases for phase in ("forward", "backward")}
+    for repeat in range(args.repeats + 2):  # two warm-up rounds
+        for phase in ("forward", "backward"):
+            for side in ("base", "head") if repeat % 2 else ("head", "base"):  # neither always runs first
+                start = time.perf_counter()
+                cases[side][phase]()
+                if repeat >= 2:
+                    times[(side, phase)].append(time.perf_counter() - start)
+    results = {}
+    for phase in ("forward", "backward"):
+        base, head = (times[(side, phase)] for side in ("base", "head"))
+        results[phase] = {
+            "base_ms": {"min": 1e3 * min(base), "median": 1e3 * statistics.median(base)},
+            "head_ms": {"min": 1e3 * min(head), "median": 1e3 * statistics.median(head)},
+            "head_over_base": {"min": min(head) / min(base), "median": statistics.median(head) / statistics.median(base)},
+        }
+        r = results[phase]
+        print(f"{phase:8s} base {r['base_ms']['min']:.2f} ms, head {r['head_ms']['min']:.2f} ms (min of "
+              f"{args.repeats}); head / base: min {r['head_over_base']['min']:.3f}, median "
+              f"{r['head_over_base']['median']:.3f}")
+    if args.out is not None:
+        points = 2 * args.layers + 1
+        write_record("benchmarks.cpu_kernel_ab", args, argv, {"points": points}, results=results)
+
+
+if __name__ == "__main__":
+    main()
