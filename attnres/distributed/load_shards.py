@@ -62,14 +62,13 @@ def load_local_shards(model: nn.Module, files: list[str], device: torch.device |
     with ExitStack() as opened:
         tensors = {}
         for path in files:
-            if path.endswith(".safetensors"):  # lazy slices: a rank reads only its part of each tensor, into
-                # memory of its own (memory-mapped, the weights would be views of the file: its pages, and a file
-                # rewritten while the run trains would change or lose them)
-                f = opened.enter_context(safe_open(path, framework="pt", backend="pread"))
+            if path.endswith(".safetensors"):  # lazy slices of the memory-mapped file: a rank reads its part
+                f = opened.enter_context(safe_open(path, framework="pt"))
                 tensors.update({key: f.get_slice(key) for key in f.keys()})
             else:  # a .bin: `torch.load(weights_only=True)`, memory-mapped
                 tensors.update(load_state_dict(path))
         info, _ = convert_and_load_state_dict_in_model(model, tensors, config)
+        _own_memory(model)
     for names in tied:  # a tied weight is stored under one of its names: every slot takes the loaded parameter
         loaded = next((model.get_parameter(n) for n in names if not model.get_parameter(n).is_meta), None)
         if loaded is None:
@@ -82,3 +81,17 @@ def load_local_shards(model: nn.Module, files: list[str], device: torch.device |
         param.requires_grad_(trains[name])
     return {"missing_keys": set(info.missing_keys), "unexpected_keys": set(info.unexpected_keys),
             "mismatched_keys": set(info.mismatched_keys), "conversion_errors": dict(info.conversion_errors)}
+
+
+def _own_memory(model: nn.Module) -> None:
+    """Copy each real parameter and buffer of `model` (what the loading filled) into memory of its own: read from a
+    memory-mapped file, a tensor is a view of the file's pages, which a file rewritten while the run trains would
+    change. (safetensors' `pread` reads each whole tensor to slice it: a rank would hold whole tensors.)"""
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None and not param.is_meta:  # a DTensor's clone copies its local part
+                    module._parameters[name] = nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and not buffer.is_meta:
+                    module._buffers[name] = buffer.clone()
