@@ -4,9 +4,10 @@ only what it holds.
 The loading is transformers' own (`convert_and_load_state_dict_in_model`, what `from_pretrained` runs): the family's
 key conversions apply as there (legacy renames such as Mixtral's `block_sparse_moe`, per-expert MoE weights fused into
 3-D experts), and a parameter that is a DTensor (tensor parallel, FSDP2) is read as this rank's shard only: the folder's
-safetensors are opened as lazy slices, each rank reads the rows and columns its placements give it, and skips the
-experts another rank holds. A pipeline stage reads only the weights of the layers it kept. What the folder does not
-hold (AttnRes parameters, non-persistent buffers) stays on the meta device for `materialize`.
+safetensors are memory-mapped as lazy slices, each rank reads the rows and columns its placements give it (copied
+into memory of its own), and skips the experts another rank holds. A pipeline stage reads only the weights of the
+layers it kept. What the folder does not hold (AttnRes parameters, non-persistent buffers) stays on the meta device
+for `materialize`.
 """
 
 from __future__ import annotations
