@@ -106,11 +106,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
     if layers is None:
         raise TypeError(f"model: expected an AttnResForCausalLM (decoder layers in .model.layers), got "
                         f"{type(model).__name__}")
-    # FSDP2 warns about every view a group returns, since an in-place op on it would skip its hook; a layer's views
-    # (the rows it hands on) are never written in place while gradients are recorded
+    # FSDP2 warns about every view a group returns, since an in-place op on it would skip its hook. A layer's views
+    # (the rows it hands on) are never written in place while gradients are recorded; nor are the root's logits,
+    # which under tensor parallel are the gathered head output's local view (`to_local`), read by the family's loss
     warnings.filterwarnings(
         "ignore",
-        message=r"FSDP2-wrapped module \(FSDPAttnResDecoderLayer\) returned a view tensor",
+        message=r"FSDP2-wrapped module \(FSDPAttnRes(DecoderLayer|ForCausalLM)\) returned a view tensor",
         category=UserWarning,
     )
     for layer in layers:
