@@ -106,14 +106,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
     if layers is None:
         raise TypeError(f"model: expected an AttnResForCausalLM (decoder layers in .model.layers), got "
                         f"{type(model).__name__}")
-    # FSDP2 warns about every view a group returns, since an in-place op on it would skip its hook. A layer's views
-    # (the rows it hands on) are never written in place while gradients are recorded; nor are the root's logits,
-    # which under tensor parallel are the gathered head output's local view (`to_local`), read by the family's loss
-    warnings.filterwarnings(
-        "ignore",
-        message=r"FSDP2-wrapped module \(FSDPAttnRes(DecoderLayer|ForCausalLM)\) returned a view tensor",
-        category=UserWarning,
-    )
+    _quiet_view_warnings()
     for layer in layers:
         if any(True for _ in layer.parameters()):  # a pipeline stage's placeholders for others' layers: none
             fully_shard(layer, mesh=mesh)
@@ -130,9 +123,21 @@ def shard_chunk(chunk: nn.Module, mesh: DeviceMesh) -> None:
     embedding, final read, final norm and head, as the stage has them)."""
     from torch.distributed.fsdp import fully_shard
 
+    _quiet_view_warnings()
     for layer in chunk.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(chunk, mesh=mesh)
+
+
+def _quiet_view_warnings() -> None:
+    """FSDP2 warns about every view a group returns, since an in-place op on it would skip its hook. A layer's views
+    (the rows it hands on) are never written in place while gradients are recorded; nor are the root's logits, which
+    under tensor parallel are the gathered head output's local view (`to_local`), read by the family's loss."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"FSDP2-wrapped module \(FSDPAttnRes(DecoderLayer|ForCausalLM)\) returned a view tensor",
+        category=UserWarning,
+    )
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
