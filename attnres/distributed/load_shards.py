@@ -13,7 +13,7 @@ for `materialize`.
 from __future__ import annotations
 
 import os
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import nn
@@ -41,14 +41,15 @@ def weight_files(source: str | os.PathLike, local_files_only: bool) -> list[str]
 
 
 def load_local_shards(model: nn.Module, files: list[str], device: torch.device | str,
-                      key_mapping: dict[str, str] | None = None) -> dict[str, set]:
+                      key_mapping: dict[str, str] | None = None, progress: bool = True) -> dict[str, set]:
     """Load into `model` (meta, whole or parallelized) what this rank holds of the weights in `files` (see the module
     docstring); `key_mapping`: extra regex renames of checkpoint keys, as `from_pretrained(key_mapping=...)`.
 
     Each loaded parameter keeps its slot's `requires_grad`, and tied slots (an embedding and head stored once) share
     the loaded parameter. Returns transformers' loading report: "missing_keys" (names of the model the files did
     not fill, the meta ones), "unexpected_keys" (keys of the files the model does not hold: a pipeline stage's others),
-    "mismatched_keys" ((name, file shape, model shape)) and "conversion_errors" ({name: message})."""
+    "mismatched_keys" ((name, file shape, model shape)) and "conversion_errors" ({name: message}). `progress`:
+    transformers' "Loading weights" bar (off on all ranks but the main one)."""
     from safetensors import safe_open
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
@@ -68,7 +69,8 @@ def load_local_shards(model: nn.Module, files: list[str], device: torch.device |
                 tensors.update({key: f.get_slice(key) for key in f.keys()})
             else:  # a .bin: `torch.load(weights_only=True)`, memory-mapped
                 tensors.update(load_state_dict(path))
-        info, _ = convert_and_load_state_dict_in_model(model, tensors, config)
+        with _progress_bar(progress):
+            info, _ = convert_and_load_state_dict_in_model(model, tensors, config)
         _own_memory(model)
     for names in tied:  # a tied weight is stored under one of its names: every slot takes the loaded parameter
         loaded = next((model.get_parameter(n) for n in names if not model.get_parameter(n).is_meta), None)
@@ -96,3 +98,18 @@ def _own_memory(model: nn.Module) -> None:
             for name, buffer in module._buffers.items():
                 if buffer is not None and not buffer.is_meta:
                     module._buffers[name] = buffer.clone()
+
+
+@contextmanager
+def _progress_bar(shown: bool):
+    """transformers' progress bars on (as they were) or off for the block."""
+    from transformers.utils import logging as hf_logging
+
+    was_shown = hf_logging.is_progress_bar_enabled()
+    if was_shown and not shown:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_shown and not shown:
+            hf_logging.enable_progress_bar()

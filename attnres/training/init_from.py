@@ -39,14 +39,15 @@ class Pretrained:
     files: tuple[str, ...]  # its weight files
     names: frozenset[str]  # the whole model's weight names (a pipeline stage holds some of them)
 
-    def load(self, model: nn.Module, device: torch.device | str, seed: int) -> None:
+    def load(self, model: nn.Module, device: torch.device | str, seed: int, progress: bool = True) -> None:
         """Make `model` real on `device`: this rank's part of the folder's weights, the AttnRes parameters at their
-        init. A weight the folder lacks, a mis-shaped one, or AttnRes weights that do not fit raise a ValueError."""
+        init. A weight the folder lacks, a mis-shaped one, or AttnRes weights that do not fit raise a ValueError.
+        `progress`: transformers' loading bar."""
         from attnres.distributed.load_shards import load_local_shards
         from attnres.distributed.materialize import materialize
         from attnres.models.modeling_attnres import MLP_RES_REPAIR
 
-        report = load_local_shards(model, list(self.files), device, key_mapping=MLP_RES_REPAIR)
+        report = load_local_shards(model, list(self.files), device, key_mapping=MLP_RES_REPAIR, progress=progress)
         if report["conversion_errors"]:
             raise ValueError(f"init_from: {self.source}: transformers could not convert {report['conversion_errors']}")
         report["unexpected_keys"] -= self.names  # the weights of the layers other pipeline stages hold

@@ -169,7 +169,7 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
     # TP and FSDP shard `model`, PP cuts it, then each rank allocates (or loads) what it holds; DDP wraps it
     def allocate(m: nn.Module) -> None:
         if pretrained is not None:
-            pretrained.load(m, device, config.seed)
+            pretrained.load(m, device, config.seed, progress=config.progress and ranks.is_main)
         elif on_meta:
             materialize(m, device, config.seed)
 

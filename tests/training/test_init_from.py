@@ -133,6 +133,16 @@ def test_an_attn_res_moe_folder_loads_as_from_pretrained_does(tmp_path):
         assert torch.equal(got[name], tensor) and torch.equal(tensor, model.state_dict()[name]), name
 
 
+@pytest.mark.parametrize("progress", [False, True])
+def test_the_loading_bar_shows_only_where_asked_and_the_setting_is_restored(tmp_path, llama, capfd, progress):
+    from transformers.utils import logging as hf_logging
+
+    model, _, pretrained = load_init_from(continued(tmp_path, llama))
+    pretrained.load(model, "cpu", 0, progress=progress)
+    assert ("Loading weights" in capfd.readouterr().err) == progress
+    assert hf_logging.is_progress_bar_enabled()
+
+
 def test_a_folder_without_a_weight_is_refused_naming_it(tmp_path, llama):
     from safetensors.torch import load_file, save_file
 
