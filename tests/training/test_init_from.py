@@ -137,10 +137,15 @@ def test_an_attn_res_moe_folder_loads_as_from_pretrained_does(tmp_path):
 def test_the_loading_bar_shows_only_where_asked_and_the_setting_is_restored(tmp_path, llama, capfd, progress):
     from transformers.utils import logging as hf_logging
 
-    model, _, pretrained = load_init_from(continued(tmp_path, llama))
-    pretrained.load(model, "cpu", 0, progress=progress)
-    assert ("Loading weights" in capfd.readouterr().err) == progress
-    assert hf_logging.is_progress_bar_enabled()
+    was_shown = hf_logging.is_progress_bar_enabled()  # other tests may have switched the bars off
+    hf_logging.enable_progress_bar()
+    try:
+        model, _, pretrained = load_init_from(continued(tmp_path, llama))
+        pretrained.load(model, "cpu", 0, progress=progress)
+        assert ("Loading weights" in capfd.readouterr().err) == progress
+        assert hf_logging.is_progress_bar_enabled()
+    finally:
+        (hf_logging.enable_progress_bar if was_shown else hf_logging.disable_progress_bar)()
 
 
 def test_a_folder_without_a_weight_is_refused_naming_it(tmp_path, llama):
