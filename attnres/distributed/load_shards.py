@@ -13,10 +13,12 @@ for `materialize`.
 from __future__ import annotations
 
 import os
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import torch
 from torch import nn
+
+from attnres.progress import transformers_progress
 
 # the weight files of a transformers folder, in the order `from_pretrained` prefers them: (index, single file)
 _WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors"),
@@ -69,7 +71,7 @@ def load_local_shards(model: nn.Module, files: list[str], device: torch.device |
                 tensors.update({key: f.get_slice(key) for key in f.keys()})
             else:  # a .bin: `torch.load(weights_only=True)`, memory-mapped
                 tensors.update(load_state_dict(path))
-        with _progress_bar(progress):
+        with transformers_progress(progress):
             info, _ = convert_and_load_state_dict_in_model(model, tensors, config)
         _own_memory(model)
     for names in tied:  # a tied weight is stored under one of its names: every slot takes the loaded parameter
@@ -98,18 +100,3 @@ def _own_memory(model: nn.Module) -> None:
             for name, buffer in module._buffers.items():
                 if buffer is not None and not buffer.is_meta:
                     module._buffers[name] = buffer.clone()
-
-
-@contextmanager
-def _progress_bar(shown: bool):
-    """transformers' progress bars on (as they were) or off for the block."""
-    from transformers.utils import logging as hf_logging
-
-    was_shown = hf_logging.is_progress_bar_enabled()
-    if was_shown and not shown:
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_shown and not shown:
-            hf_logging.enable_progress_bar()

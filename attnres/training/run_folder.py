@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from attnres.atomic import atomic_write_dir, atomic_write_text
+from attnres.progress import transformers_progress
 from attnres.run_layout import (
     CHECKPOINTS, CONFIG_FILE, FINAL, LOG_FILE, MODEL_FILE, SHARDED_DIR, STATE_FILE, checkpoint_name, checkpoint_step,
     latest_checkpoint,
@@ -156,15 +157,8 @@ def save_final(run_dir: str | Path, model: nn.Module, tokenizer, context: int,
         config.bos_token_id, config.eos_token_id, config.pad_token_id = hf_tokenizer.bos_token_id, eos, pad
 
     def write(folder: Path) -> None:
-        from transformers.utils import logging as hf_logging
-
-        bar = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # no "Writing model shards" bar for one small file
-        try:
+        with transformers_progress(False):  # no "Writing model shards" bar for one small file
             model.save_pretrained(folder)
-        finally:
-            if bar:
-                hf_logging.enable_progress_bar()
         hf_tokenizer.save_pretrained(folder)
 
     return atomic_write_dir(Path(run_dir) / FINAL, write)
