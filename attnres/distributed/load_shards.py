@@ -57,7 +57,7 @@ def load_local_shards(model: nn.Module, files: list[str], device: torch.device |
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig, load_state_dict
 
-    from attnres.distributed.materialize import tied_groups
+    from attnres.distributed.materialize import tie, tied_groups
 
     tied = tied_groups(model)
     trains = {name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)}
@@ -78,10 +78,8 @@ def load_local_shards(model: nn.Module, files: list[str], device: torch.device |
         loaded = next((model.get_parameter(n) for n in names if not model.get_parameter(n).is_meta), None)
         if loaded is None:
             continue
-        for name in names:
-            owner, _, attr = name.rpartition(".")
-            model.get_submodule(owner)._parameters[attr] = loaded
-            info.missing_keys.discard(name)
+        tie(model, names, loaded)
+        info.missing_keys.difference_update(names)
     for name, param in model.named_parameters(remove_duplicate=False):
         param.requires_grad_(trains[name])
     return {"missing_keys": set(info.missing_keys), "unexpected_keys": set(info.unexpected_keys),

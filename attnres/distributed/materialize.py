@@ -29,10 +29,7 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.M
     tied = tied_groups(model)
     made, modules_with_buffers = _allocate(model, device)  # gives each slot of a tied parameter its own tensor
     for names in tied:
-        first = model.get_parameter(names[0])
-        for name in names[1:]:
-            owner, _, attr = name.rpartition(".")
-            model.get_submodule(owner)._parameters[attr] = first
+        tie(model, names, model.get_parameter(names[0]))
     done: set[int] = set()  # a tied parameter is initialized once, by the first module that holds it
     with torch.no_grad(), init.guard_torch_init_functions():
         for name, module, owner in _modules_and_owners(model):
@@ -70,6 +67,13 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     return [group for group in names.values() if len(group) > 1]
+
+
+def tie(model: nn.Module, names: list[str], param: nn.Parameter) -> None:
+    """Make every slot in `names` (one of `tied_groups`) hold `param`."""
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._parameters[attr] = param
 
 
 def _allocate(model: nn.Module, device: torch.device | str) -> tuple[dict[int, nn.Parameter], set[nn.Module]]:
