@@ -166,16 +166,18 @@ def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.de
         model.to(device)
     model.train()
     mesh = build_mesh(dims, device.type) if ranks.distributed else None
-    # TP and FSDP shard `model`, PP cuts it, then each rank allocates (or loads) what it holds; DDP wraps it
+    checkpoints = run_dir / CHECKPOINTS
+    last = (latest_checkpoint(checkpoints) if config.resume else None) or branch  # its own checkpoint comes first
+
+    # TP and FSDP shard `model`, PP cuts it, then each rank allocates (or loads) what it holds; DDP wraps it. A run
+    # that resumes from a checkpoint reads its weights from there only, not the init_from folder first
     def allocate(m: nn.Module) -> None:
-        if pretrained is not None:
+        if pretrained is not None and last is None:
             pretrained.load(m, device, config.seed, progress=config.progress and ranks.is_main)
         elif on_meta:
             materialize(m, device, config.seed)
 
     steps = training_steps(model, config, ranks, dims, mesh, allocate)
-    checkpoints = run_dir / CHECKPOINTS
-    last = (latest_checkpoint(checkpoints) if config.resume else None) or branch  # its own checkpoint comes first
     state = load_checkpoint(last, model, stage_only=dims.pp > 1) if last is not None else None  # what it holds
     optimizer = build_optimizer(
         model, lr=config.lr, weight_decay=config.weight_decay, attn_res_lr_mult=config.attn_res_lr_mult,

@@ -12,7 +12,7 @@ from attnres.cli import main
 from attnres.tokenization import byte_tokenizer
 from attnres.models import convert_from_hf
 from attnres.training import ByteTokenizer, TrainConfig, eval_batches, read_corpus, read_log, tokenize_and_split, train
-from attnres.training.init_from import load_init_from
+from attnres.training.init_from import Pretrained, load_init_from
 from attnres.training.optim import is_attn_res_param
 from tests.training.test_loop import restore_threads  # noqa: F401 - `threads` is process-wide: give it back after
 
@@ -206,10 +206,12 @@ def test_freeze_base_trains_the_attn_res_parameters_only(tmp_path, llama):
     assert val_losses(result.run_dir)[4] < val_losses(result.run_dir)[0]
 
 
-def test_a_continued_run_resumes_bit_identical_and_saves_its_final_folder(tmp_path, llama):
+def test_a_continued_run_resumes_bit_identical_and_saves_its_final_folder(tmp_path, llama, monkeypatch):
     whole = train(continued(tmp_path, llama, name="whole"))
     train(continued(tmp_path, llama, name="stopped", stop_after=2, checkpoint_interval=2))
-    resumed = train(continued(tmp_path, llama, name="stopped", resume=True, checkpoint_interval=2))
+    with monkeypatch.context() as patch:  # a resumed run takes its weights from its checkpoint alone
+        patch.setattr(Pretrained, "load", lambda *args, **kwargs: pytest.fail("the folder was read on resume"))
+        resumed = train(continued(tmp_path, llama, name="stopped", resume=True, checkpoint_interval=2))
     for (name, a), (_, b) in zip(whole.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="train.init_from"):  # the source is part of what the run is
