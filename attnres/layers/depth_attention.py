@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from attnres.ops import depth_attention
+from attnres.ops.chain import depth_attention_chained
 from attnres.ops.depth_attention import fold_query
 
 _PLAIN = (torch.Tensor, nn.Parameter)
@@ -116,6 +117,28 @@ class DepthAttention(nn.Module):
             return_weights=return_weights,
         )
 
+    def chained(
+        self,
+        sources: Sequence[torch.Tensor],
+        carrier: torch.Tensor | None,
+        out_norm: RMSNorm | None = None,
+        *,
+        out_eps: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` as a point of a Full chain (`attnres.ops.chain`): takes the previous point's carrier (None starts
+        a chain) and returns (mixture, this point's carrier)."""
+        if out_norm is not None and out_eps is None:
+            out_eps = out_norm.eps
+        return depth_attention_chained(
+            sources,
+            carrier,
+            local_weight(self.proj.weight),
+            local_weight(self.norm.weight),
+            eps=self.eps,
+            out_norm_weight=None if out_norm is None else local_weight(out_norm.weight),
+            out_eps=out_eps,
+        )
+
     @torch.no_grad()
     def folded_query(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """c = g * w (`[d]`) in `dtype`, from the weights as they are now: computed at every call, never cached.
@@ -138,6 +161,7 @@ class NamedPoint:
 
     __slots__ = ("owner", "proj_name", "norm_name")
     forward = __call__ = DepthAttention.forward
+    chained = DepthAttention.chained
     folded_query = DepthAttention.folded_query
     eps = DepthAttention.eps
 

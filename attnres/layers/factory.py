@@ -27,17 +27,19 @@ def make_stream(
     two_phase: bool | None = None,
     record_weights: bool = False,
     inference: bool = False,
+    chain: bool = False,
 ) -> ResidualStream:
     """The residual stream of kind `residual` ("standard", "full" or "block") for one forward.
 
     `points`: the 2L + 1 aggregation points in schedule order (not needed for "standard"); `block_size` counts
     decoder layers (Kimi K3 `attn_res_block_size`); `record_weights` keeps, for every read, the depth weights
     in `stream.weights` (none for "standard") and the pre-norm mixture the sublayer's norm sees in `stream.mixtures`;
-    `inference` selects, for "block", the fused bank path (no autograd; `attnres.layers.bank_stream`). A stream made
-    without an embedding waits for `resume` (`resume_stream`).
+    `inference` selects, for "block", the fused bank path (no autograd; `attnres.layers.bank_stream`); `chain` makes
+    the points of "full" a chain for the backward (`attnres.ops.chain`: the same gradients, summed in place; for eager
+    training). A stream made without an embedding waits for `resume` (`resume_stream`).
     """
     cls = _stream_class(residual, block_size, inference and not record_weights)
-    stream = _build(cls, embedding, num_layers, points, block_size, rescale_mixture, two_phase)
+    stream = _build(cls, embedding, num_layers, points, block_size, rescale_mixture, two_phase, chain)
     stream.record = record_weights
     return stream
 
@@ -69,9 +71,9 @@ def _stream_class(residual: str, block_size: int | None, bank: bool) -> type[Res
     return StandardStream if residual == STANDARD else FullStream
 
 
-def _build(cls, embedding, num_layers, points, block_size, rescale_mixture, two_phase) -> ResidualStream:
+def _build(cls, embedding, num_layers, points, block_size, rescale_mixture, two_phase, chain) -> ResidualStream:
     if cls is StandardStream:
         return StandardStream(embedding, num_layers)
     if cls is FullStream:
-        return FullStream(embedding, num_layers, points, rescale_mixture)
+        return FullStream(embedding, num_layers, points, rescale_mixture, chain)
     return cls(embedding, num_layers, points, block_size, rescale_mixture, two_phase)

@@ -42,11 +42,15 @@ class ResidualState(NamedTuple):
     head: standard: the residual sum; Block: the current block's partial sum (the prefix); Full: None.
     pending: Block at inference (the fused bank path, and only there): the last sublayer output, which the next
         point's fused kernel adds into the prefix.
+    carrier: Full in training: the last point's carrier (`attnres.ops.chain`), through which the next points hand the
+        gradients of the earlier sources back. Optional: a state rebuilt without it (a pipeline stage's input) starts
+        a new chain, with the same gradients.
     """
 
     rows: tuple[torch.Tensor, ...] = ()
     head: torch.Tensor | None = None
     pending: torch.Tensor | None = None
+    carrier: torch.Tensor | None = None
 
 
 class ResidualStream:
@@ -160,25 +164,38 @@ class StandardStream(ResidualStream):
 
 
 class FullStream(ResidualStream):
-    """Full AttnRes: every point attends over the embedding and every earlier sublayer output."""
+    """Full AttnRes: every point attends over the embedding and every earlier sublayer output.
 
-    def __init__(self, embedding, num_layers, points: Sequence[DepthAttention], rescale_mixture=False):
+    With `chain` (training, eager) the points form a chain (`attnres.ops.chain`): each source's gradient is summed in
+    place, once, instead of written by every later point and added up by autograd. Recording reads break the chain.
+    """
+
+    def __init__(self, embedding, num_layers, points: Sequence[DepthAttention], rescale_mixture=False, chain=False):
         super().__init__(num_layers, rescale_mixture)
         _check_points(points, num_layers)
         self.points = points
         self.sources = [embedding]
+        self.chain = chain
+        self.carrier: torch.Tensor | None = None
 
     def _read(self, norm):
-        return self._mix(self.points[self.point], self.sources, norm)
+        point = self.points[self.point]
+        if not self.chain or self.record:
+            self.carrier = None
+            return self._mix(point, self.sources, norm)
+        R = len(self.sources)
+        out, self.carrier = point.chained(self.sources, self.carrier, norm, out_eps=self._out_eps(norm, R))
+        return out if norm is not None else self._finish_unfused(out, R)
 
     def _write(self, output):
         self.sources.append(output)
 
     def _state(self):
-        return ResidualState(rows=tuple(self.sources))
+        return ResidualState(rows=tuple(self.sources), carrier=self.carrier)
 
     def _resume(self, state):
         self.sources = list(state.rows)
+        self.carrier = state.carrier if self.chain else None
 
 
 class BlockStream(ResidualStream):

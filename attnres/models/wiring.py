@@ -96,13 +96,16 @@ class Records:
 ACTIVE_RECORDS = CompileableContextVar("attn_res_records")
 
 
-def _stream_options(config, records: Records | None, inference: bool) -> dict:
+def _stream_options(config, records: Records | None, inference: bool, training: bool) -> dict:
+    """`training`: the forward has a backward (or reentrant checkpointing will replay it with one). Full's points then
+    form a chain (`attnres.ops.chain`), except where traced: `torch.compile` takes the functional op."""
     return dict(
         block_size=config.attn_res_block_size,
         rescale_mixture=config.attn_res_rescale_mixture,
         two_phase=config.attn_res_two_phase,
         record_weights=records is not None and records.depth,
         inference=inference,
+        chain=training and not torch.compiler.is_compiling(),
     )
 
 
@@ -186,8 +189,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                 raise TypeError(f"hidden_states: decoder layer 0 starts from the embedding tensor, got {type(state)}")
             # no gradient and no backward to replay the layer (reentrant checkpointing runs it without one): the
             # fused bank path (docs/design.md section 5); every later layer follows the state it is handed
-            inference = not torch.is_grad_enabled() and not (self.gradient_checkpointing and self.training)
-            options = _stream_options(config, records, inference)
+            inference = not self._training()
+            options = _stream_options(config, records, inference, not inference)
             stream = make_stream(config.residual, state, num_layers, points, **options)
             stream.end_point = 2  # this layer's points only
             return stream
@@ -196,8 +199,13 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                 f"hidden_states: decoder layer {i} takes the ResidualState that layer {i - 1} returns, got "
                 f"{type(state).__name__} (an AttnRes layer runs inside an AttnRes model's forward)"
             )
-        options = _stream_options(config, records, _on_bank_path(state))
+        options = _stream_options(config, records, _on_bank_path(state), self._training())
         return resume_stream(config.residual, state, i, num_layers, points, **options)
+
+    def _training(self) -> bool:
+        """Whether this forward has a backward, or reentrant checkpointing (which runs it without gradients) will
+        replay it with one: the replay must make the same state."""
+        return torch.is_grad_enabled() or (self.gradient_checkpointing and self.training)
 
     def _read(self, stream: ResidualStream, side: Sublayer) -> torch.Tensor:
         norm = getattr(self, side.norm)
@@ -247,7 +255,7 @@ class FinalRead:
         config, records = self.config, ACTIVE_RECORDS.get()
         L = config.num_hidden_layers
         points = {2 * L: point for point in self.points}
-        options = _stream_options(config, records, _on_bank_path(state))
+        options = _stream_options(config, records, _on_bank_path(state), torch.is_grad_enabled())
         stream = resume_stream(config.residual, state, L, L, points, **options)
         final = stream.read()
         if records is not None:

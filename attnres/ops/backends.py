@@ -2,10 +2,10 @@
 
 `ATTNRES_BACKEND` chooses: `auto` (default: the Triton kernels on CUDA, the compiled CPU kernel on CPU, each when
 it is available), or `torch` to force the portable torch-op path everywhere (the fallback of every backend).
-A backend supplies kernels only: each entry keeps the contract written on its op (`attnres::depth_attention_fwd/bwd`,
-`attnres::depth_stats_fwd/bwd`, `attnres::merge_prefix_fwd/bwd`, `attnres.ops.bank.bank_aggregate/bank_merge`), and
-a None entry means "use the torch path" for that op. The fused bank ops are stored behind those ops' checks.
-`last_backend()` names the one that ran last, so tests can prove routing.
+A backend supplies kernels only: each entry keeps the contract written on its op (`attnres::depth_attention_fwd/bwd`
+and `bwd_into` beside it, `attnres::depth_stats_fwd/bwd`, `attnres::merge_prefix_fwd/bwd`,
+`attnres.ops.bank.bank_aggregate/bank_merge`), and a None entry means "use the torch path" for that op. The fused
+bank ops are stored behind those ops' checks. `last_backend()` names the one that ran last, so tests can prove routing.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Backend:
     name: str
     fwd: Callable | None = None
     bwd: Callable | None = None
+    bwd_into: Callable | None = None  # `bwd` writing (or adding) the source gradients into a given buffer (ops/chain.py)
     stats_fwd: Callable | None = None
     stats_bwd: Callable | None = None
     bank_aggregate: Callable | None = None  # the fused inference ops of attnres.ops.bank, checked (see validated)
@@ -51,7 +52,7 @@ def _cpu_backend() -> Backend | None:
     if not cpu.available():
         return None
     return Backend(
-        "cpu", cpu.cpu_depth_attention_fwd, cpu.cpu_depth_attention_bwd,
+        "cpu", cpu.cpu_depth_attention_fwd, cpu.cpu_depth_attention_bwd, cpu.cpu_depth_attention_bwd_into,
         stats_fwd=cpu.cpu_depth_stats_fwd, stats_bwd=cpu.cpu_depth_stats_bwd,
         bank_aggregate=validated(check_bank_aggregate, cpu.cpu_bank_aggregate),
         bank_merge=validated(check_bank_merge, cpu.cpu_bank_merge),
@@ -68,8 +69,8 @@ def _triton_backend() -> Backend | None:
     except ImportError:  # no triton installed
         return None
     return Backend(
-        "triton", k.triton_depth_attention_fwd, k.triton_depth_attention_bwd, k.triton_depth_stats_fwd,
-        k.triton_depth_stats_bwd, bank_aggregate=validated(check_bank_aggregate, k.triton_bank_aggregate),
+        "triton", k.triton_depth_attention_fwd, k.triton_depth_attention_bwd, k.triton_depth_attention_bwd_into,
+        k.triton_depth_stats_fwd, k.triton_depth_stats_bwd, bank_aggregate=validated(check_bank_aggregate, k.triton_bank_aggregate),
         bank_merge=validated(check_bank_merge, k.triton_bank_merge),
         merge_fwd=k.triton_merge_prefix_fwd, merge_bwd=k.triton_merge_prefix_bwd,
         max_d=k.MAX_D, max_rows=k.MAX_STATS_ROWS,

@@ -90,6 +90,30 @@ def torch_depth_attention_fwd(sources, c, out_norm_weight, eps, out_eps):
 
 def torch_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps):
     """Portable kernel of `depth_attention_bwd` in torch ops, one fp32 source at a time."""
+    grads = []
+    dc, d_out_w = _torch_bwd(
+        grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, out_eps,
+        lambda j, dx: grads.append(dx.to(sources[j].dtype).reshape(sources[j].shape)),
+    )
+    return grads, dc, d_out_w
+
+
+def torch_depth_attention_bwd_into(
+    grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps, into, accumulate
+):
+    """Portable kernel of `Backend.bwd_into`: the backward with the source gradients written into `into` (`[R, ...,
+    d]`, contiguous, the sources' dtype), or with `accumulate` added onto what it holds (in the accumulator dtype,
+    rounded once), in place. Returns (grad of c, grad of out_norm_weight) as `depth_attention_bwd` does."""
+    rows = into.view(len(sources), -1, c.shape[0])
+
+    def put(j, dx):
+        rows[j].copy_(rows[j].to(dx.dtype) + dx if accumulate else dx)
+
+    return _torch_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, out_eps, put)
+
+
+def _torch_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, out_eps, put):
+    """The backward in torch ops; hands each source's gradient `[N, d]` (accumulator dtype) to `put(j, dx)`."""
     acc = c.dtype
     d = c.shape[0]
     xs = [flat_tokens(x) for x in sources]
@@ -107,7 +131,6 @@ def torch_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weigh
         gw = grad_weights.reshape(len(xs), -1).to(acc)
         delta = delta + (weights * gw).sum(0)
     dc = torch.zeros_like(c)
-    grads = []
     for j, x in enumerate(xs):
         xf = x.to(acc)
         g = (xf * dm).sum(-1)
@@ -118,8 +141,8 @@ def torch_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weigh
         s = (xf @ c) * rstd[j]
         dx = weights[j].unsqueeze(-1) * dm + coef.unsqueeze(-1) * c - (coef * s * rstd[j] / d).unsqueeze(-1) * xf
         dc += coef @ xf
-        grads.append(dx.to(x.dtype).reshape(sources[j].shape))
-    return grads, dc, d_out_w.to(acc)
+        put(j, dx)
+    return dc, d_out_w.to(acc)
 
 
 # The two ops below are the contract every backend's kernels keep (`Backend.fwd` and `.bwd`, the torch kernels above

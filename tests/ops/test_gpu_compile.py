@@ -192,12 +192,15 @@ def one_shot_fwd(d, n, dtype=torch.bfloat16, out_norm=True, r=3):
         sources(r, n, d, dtype), vec(d), vec(d) if out_norm else None, 1e-6, 1e-6)
 
 
-def one_shot_bwd(d, n, dtype=torch.bfloat16, out_norm=True, grad_weights=True, r=3):
+def one_shot_bwd(d, n, dtype=torch.bfloat16, out_norm=True, grad_weights=True, r=3, accumulate=False):
     def call():
         stats = torch.empty(r, n)
-        depth_attention.triton_depth_attention_bwd(
-            torch.empty(n, d, dtype=dtype), torch.empty(r, n) if grad_weights else None, sources(r, n, d, dtype),
-            vec(d), vec(d) if out_norm else None, stats, stats, 1e-6, 1e-6)
+        args = (torch.empty(n, d, dtype=dtype), torch.empty(r, n) if grad_weights else None, sources(r, n, d, dtype),
+                vec(d), vec(d) if out_norm else None, stats, stats, 1e-6, 1e-6)
+        if accumulate:  # a chained point (attnres/ops/chain.py) adds onto the gradients it is given
+            depth_attention.triton_depth_attention_bwd_into(*args, torch.empty(r, n, d, dtype=dtype), True)
+        else:
+            depth_attention.triton_depth_attention_bwd(*args)
     return call
 
 
@@ -247,7 +250,7 @@ def flips(**options) -> list[dict]:
 # per op: (launcher, the branch options to flip); every op also runs each d class at each N with its defaults
 OPS = {
     "one_shot_fwd": (one_shot_fwd, flips(dtype=DTYPES, out_norm=(False,))),
-    "one_shot_bwd": (one_shot_bwd, flips(dtype=DTYPES, out_norm=(False,), grad_weights=(False,))),
+    "one_shot_bwd": (one_shot_bwd, flips(dtype=DTYPES, out_norm=(False,), grad_weights=(False,), accumulate=(True,))),
     # the backward's [S, R] tiles are padded to 16, 32 or 64: each pad, for queries and for sources
     "stats_fwd": (stats_fwd, flips(dtype=DTYPES, queries=(1, 64))),
     "stats_bwd": (stats_bwd, flips(dtype=DTYPES, queries=(1, 20, 64), r=(20, 64))),

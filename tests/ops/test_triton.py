@@ -202,6 +202,41 @@ def test_depth_attention_matches_twin(case):
 
 
 @kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_bwd_into_writes_and_adds_what_bwd_returns(dtype):
+    """`Backend.bwd_into` (a chained Full point's backward, attnres/ops/chain.py): with accumulate off it writes the
+    gradients `bwd` returns; with it on it adds them onto the buffer before rounding once."""
+    from attnres.ops.triton import (
+        triton_depth_attention_bwd,
+        triton_depth_attention_bwd_into,
+        triton_depth_attention_fwd,
+    )
+
+    R, lead, d = 3, (2, 7), 40
+    sources = random_sources(R, lead, d, dtype)
+    c = fold_query((torch.randn(d) * 2 / d**0.5).to(DEVICE), None, torch.float32)
+    o = (1 + 0.5 * torch.randn(d)).to(DEVICE)
+    go = torch.randn(*lead, d).to(dtype).to(DEVICE)
+    _, weights, rstd = triton_depth_attention_fwd(sources, c, o, EPS, OUT_EPS)
+    args = (go, None, sources, c, o, weights, rstd, EPS, OUT_EPS)
+    grads, dc, d_out_w = triton_depth_attention_bwd(*args)
+
+    into = torch.empty((R, *lead, d), dtype=dtype, device=DEVICE)  # NaN-filled: every element must be written
+    dc_into, d_out_w_into = triton_depth_attention_bwd_into(*args, into, False)
+    assert torch.equal(into, torch.stack(grads))
+    assert torch.equal(dc_into, dc) and torch.equal(d_out_w_into, d_out_w)
+
+    base = torch.randn(R, *lead, d).to(dtype).to(DEVICE)
+    summed = base.clone()
+    triton_depth_attention_bwd_into(*args, summed, True)
+    fresh = torch.stack(grads).float()
+    # the sum is rounded once where `fresh` was rounded too: one ulp of each (the interpreter truncates, a GPU rounds)
+    ulp = 2.0**-22 if dtype == torch.float32 else 2.0**-7
+    bound = ulp * (base.float().abs() + 2 * fresh.abs())
+    assert ((summed.float() - (base.float() + fresh)).abs() <= bound).all()
+
+
+@kernel_test
 def test_depth_attention_views_of_one_stacked_tensor():
     """Sources at offsets that are not 16-byte aligned (N * d * 4 = 140 bytes apart): the unaligned load path."""
     torch.manual_seed(1)

@@ -65,6 +65,15 @@ def cpu_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weight,
     return list(grads), dc, d_out_w
 
 
+def cpu_depth_attention_bwd_into(
+    grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps, into, accumulate
+):
+    """Kernel of `Backend.bwd_into`: the source gradients written, or added, into `into` in place."""
+    return _ops().depth_attention_bwd_into(
+        grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, out_eps, into, accumulate
+    )
+
+
 def cpu_depth_stats_fwd(sources, cs, eps):
     """Kernel of `attnres::depth_stats_fwd`: each source is streamed once for all queries."""
     return _ops().depth_stats_fwd(sources, cs, eps)

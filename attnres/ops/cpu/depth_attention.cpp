@@ -439,7 +439,9 @@ void forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const t
   });
 }
 
-template <class K>
+// Accumulate: add the source gradients onto what `grads` holds (a chain of Full points, attnres/ops/chain.py) instead
+// of writing them.
+template <class K, bool Accumulate>
 void backward_kernel(Rows<const typename K::raw> grad_out, const typename K::acc* grad_weights,
                      const std::vector<Rows<const typename K::raw>>& src, const typename K::acc* c,
                      const typename K::acc* out_w, const typename K::acc* weights, const typename K::acc* rstd,
@@ -510,8 +512,8 @@ void backward_kernel(Rows<const typename K::raw> grad_out, const typename K::acc
         for (int64_t j = 0; j < n_src; ++j) {
           const Vec<A> a = splat(alpha[j]), cj = splat(coef[j]), sj = splat(shrink[j]);
           for (int64_t k = 0; k < U; ++k) {
-            const Vec<A> xv = K::vload(x[j] + i + k * w);
-            K::vstore(dx[j] + i + k * w, a * dmv[k] + cj * cv[k] - sj * xv);
+            const Vec<A> xv = K::vload(x[j] + i + k * w), g = a * dmv[k] + cj * cv[k] - sj * xv;
+            K::vstore(dx[j] + i + k * w, Accumulate ? K::vload(dx[j] + i + k * w) + g : g);
             dcv[k] += cj * xv;
           }
         }
@@ -523,7 +525,8 @@ void backward_kernel(Rows<const typename K::raw> grad_out, const typename K::acc
       for (; i < d; ++i) {
         for (int64_t j = 0; j < n_src; ++j) {
           const A xv = K::load(x[j][i]);
-          dx[j][i] = K::store(alpha[j] * dm[i] + coef[j] * c[i] - shrink[j] * xv);
+          const A g = alpha[j] * dm[i] + coef[j] * c[i] - shrink[j] * xv;
+          dx[j][i] = K::store(Accumulate ? K::load(dx[j][i]) + g : g);
           dc_acc[i] += coef[j] * xv;
         }
       }
@@ -829,29 +832,54 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd(
   return {out, weights, rstd};
 }
 
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> depth_attention_bwd(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
-    const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& weights,
-    const at::Tensor& rstd, double out_eps) {
-  Problem p(sources);
-  TORCH_CHECK(grad_out.sizes() == sources[0].sizes(), "attnres_cpu: grad_out must have the sources' shape");
+// The backward with the source gradients written (accumulate: added) into `grads`, R [N, d] contiguous rows.
+std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out,
+                                                 const std::optional<at::Tensor>& grad_weights, const Problem& p,
+                                                 const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight,
+                                                 const at::Tensor& weights, const at::Tensor& rstd, double out_eps,
+                                                 const std::vector<at::Tensor>& grads, bool accumulate) {
+  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(p.shape), "attnres_cpu: grad_out must have the sources' shape");
   auto g = as_rows(grad_out.to(p.dtype), p.n_tok, p.d);
   auto gw = grad_weights ? std::optional(p.rows(*grad_weights, p.n_src)) : std::nullopt;
   auto cv = p.vector(c);
   auto out_w = out_norm_weight ? std::optional(p.vector(*out_norm_weight)) : std::nullopt;
   auto w = p.rows(weights, p.n_src), r = p.rows(rstd, p.n_src);
-  auto grads = p.new_sources();
   auto dc = at::zeros_like(cv);
   auto d_out_w = at::zeros_like(cv);
   dispatch(p.dtype, [&](auto k) {
     using K = decltype(k);
     using A = typename K::acc;
     using R = typename K::raw;
-    backward_kernel<K>(rows_of<const R>(g), data_or_null<A>(gw), p.source_rows<R>(), cv.data_ptr<A>(),
-                       data_or_null<A>(out_w), w.data_ptr<A>(), r.data_ptr<A>(), out_eps, p.n_tok, p.d,
-                       pointers<R>(grads), dc.data_ptr<A>(), d_out_w.data_ptr<A>());
+    auto run = accumulate ? backward_kernel<K, true> : backward_kernel<K, false>;
+    run(rows_of<const R>(g), data_or_null<A>(gw), p.source_rows<R>(), cv.data_ptr<A>(), data_or_null<A>(out_w),
+        w.data_ptr<A>(), r.data_ptr<A>(), out_eps, p.n_tok, p.d, pointers<R>(grads), dc.data_ptr<A>(),
+        d_out_w.data_ptr<A>());
   });
+  return {dc, d_out_w};
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> depth_attention_bwd(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
+    const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& weights,
+    const at::Tensor& rstd, double out_eps) {
+  Problem p(sources);
+  auto grads = p.new_sources();
+  auto [dc, d_out_w] = backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, grads, false);
   return {grads, dc, d_out_w};
+}
+
+// `into`: [R, N, d] (any leading dims between), contiguous, in the sources' dtype.
+std::tuple<at::Tensor, at::Tensor> depth_attention_bwd_into(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
+    const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& weights,
+    const at::Tensor& rstd, double out_eps, const at::Tensor& into, bool accumulate) {
+  Problem p(sources);
+  TORCH_CHECK(into.device().is_cpu() && into.is_contiguous() && into.scalar_type() == p.dtype &&
+                  into.numel() == p.n_src * p.n_tok * p.d,
+              "attnres_cpu: `into` must be a contiguous CPU tensor of R sources' elements in their dtype");
+  std::vector<at::Tensor> grads;
+  for (int64_t j = 0; j < p.n_src; ++j) grads.push_back(into.view({p.n_src, p.n_tok, p.d})[j]);
+  return backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, grads, accumulate);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_stats_fwd(at::TensorList sources,
@@ -982,6 +1010,9 @@ TORCH_LIBRARY(attnres_cpu, m) {
         " -> (Tensor, Tensor, Tensor)");
   m.def("depth_attention_bwd(Tensor grad_out, Tensor? grad_weights, Tensor[] sources, Tensor c,"
         " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps) -> (Tensor[], Tensor, Tensor)");
+  m.def("depth_attention_bwd_into(Tensor grad_out, Tensor? grad_weights, Tensor[] sources, Tensor c,"
+        " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps, Tensor(a!) into, bool accumulate)"
+        " -> (Tensor, Tensor)");
   m.def("depth_stats_fwd(Tensor[] sources, Tensor cs, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("depth_stats_bwd(Tensor grad_z, Tensor grad_u, Tensor[] sources, Tensor cs, Tensor m, Tensor rstd)"
         " -> (Tensor[], Tensor)");
@@ -994,6 +1025,7 @@ TORCH_LIBRARY(attnres_cpu, m) {
 TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("depth_attention_fwd", &depth_attention_fwd);
   m.impl("depth_attention_bwd", &depth_attention_bwd);
+  m.impl("depth_attention_bwd_into", &depth_attention_bwd_into);
   m.impl("depth_stats_fwd", &depth_stats_fwd);
   m.impl("depth_stats_bwd", &depth_stats_bwd);
   m.impl("bank_aggregate", &bank_aggregate);

@@ -1,7 +1,8 @@
 """Triton kernels of the depth-attention ops for CUDA tensors (and for CPU tensors under `TRITON_INTERPRET=1`).
 
 Each launcher is a kernel of an op whose contract (arguments, results, checks) is written on the op, so a dispatcher
-can route CUDA tensors here: `triton_depth_attention_fwd/bwd` for `attnres::depth_attention_fwd/bwd` and
+can route CUDA tensors here: `triton_depth_attention_fwd/bwd` for `attnres::depth_attention_fwd/bwd` (and `triton_depth_attention_bwd_into` for
+`Backend.bwd_into`, the backward of a chain of Full points),
 `triton_depth_stats_fwd/bwd` for `attnres::depth_stats_fwd/bwd`, `triton_merge_prefix_fwd/bwd` for
 `attnres::merge_prefix_fwd/bwd` (phase 2), and `triton_bank_aggregate/merge` for the fused
 inference ops `attnres.ops.bank.bank_aggregate/merge`. They take float32, bfloat16 and float16 sources with
@@ -10,7 +11,12 @@ say) belongs to the torch path.
 """
 
 from attnres.ops.triton.bank import triton_bank_aggregate, triton_bank_merge
-from attnres.ops.triton.depth_attention import MAX_D, triton_depth_attention_bwd, triton_depth_attention_fwd
+from attnres.ops.triton.depth_attention import (
+    MAX_D,
+    triton_depth_attention_bwd,
+    triton_depth_attention_bwd_into,
+    triton_depth_attention_fwd,
+)
 from attnres.ops.triton.merge import triton_merge_prefix_bwd, triton_merge_prefix_fwd
 from attnres.ops.triton.two_phase import MAX_STATS_ROWS, triton_depth_stats_bwd, triton_depth_stats_fwd
 
@@ -20,6 +26,7 @@ __all__ = [
     "triton_bank_aggregate",
     "triton_bank_merge",
     "triton_depth_attention_bwd",
+    "triton_depth_attention_bwd_into",
     "triton_depth_attention_fwd",
     "triton_depth_stats_bwd",
     "triton_depth_stats_fwd",

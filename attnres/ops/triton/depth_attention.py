@@ -279,14 +279,15 @@ def depth_attention_fwd_kernel(
 
 
 # tiles_within(32): about five rows live (dm, mix, normed, x, dx)
-@row_tiles(key=["D", "OUT_NORM", "HAS_GRAD_WEIGHTS", "DTYPE"], tiles=(1024, 4096), prune=tiles_within(32))
+@row_tiles(key=["D", "OUT_NORM", "HAS_GRAD_WEIGHTS", "DTYPE", "ACCUMULATE"], tiles=(1024, 4096), prune=tiles_within(32))
 @triton.jit
 def depth_attention_bwd_kernel(
     table, c, out_weight, grad_out, grad_weights, weights, rstd, dc_part, dow_part, N, R, programs, out_eps,
     D: tl.constexpr, D_PAD: tl.constexpr, OUT_NORM: tl.constexpr, HAS_GRAD_WEIGHTS: tl.constexpr,
-    DTYPE: tl.constexpr, ALIGNED: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+    DTYPE: tl.constexpr, ALIGNED: tl.constexpr, ACCUMULATE: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Persistent: program p takes token blocks p, p + programs, ...; the table holds R sources, then R grads."""
+    """Persistent: program p takes token blocks p, p + programs, ...; the table holds R sources, then R grads (which
+    the gradients are added onto with ACCUMULATE)."""
     pid = tl.program_id(0)
     n64 = tl.cast(N, tl.int64)  # N == 1 arrives as a constant (no .to)
     cols = tl.arange(0, D_PAD)
@@ -322,7 +323,10 @@ def depth_attention_bwd_kernel(
             coef = a * (g - delta) * r
             s = tl.sum(x * cv[None, :], 1) * r
             dx = a[:, None] * dm + coef[:, None] * cv[None, :] - (coef * s * r / D)[:, None] * x
-            tl.store(row_pointers(table, R + j, rows, cols, DTYPE, ALIGNED), dx.to(DTYPE), mask=mask)
+            dst = row_pointers(table, R + j, rows, cols, DTYPE, ALIGNED)
+            if ACCUMULATE:
+                dx += tl.load(dst, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dst, dx.to(DTYPE), mask=mask)
             dc += tl.sum(coef[:, None] * x, 0)
 
     tl.store(dc_part + pid * D + cols, dc, mask=col_ok)
@@ -354,8 +358,23 @@ def triton_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weig
     """Kernel of `attnres::depth_attention_bwd` (the saved rstd carries eps)."""
     xs = flat_sources(sources)
     n, d = xs[0].shape
+    grads = [torch.empty((n, d), dtype=x.dtype, device=x.device) for x in xs]
+    dc, dow = _backward(grad_out, grad_weights, xs, c, out_norm_weight, weights, rstd, out_eps, grads, False)
+    return [g.reshape(x.shape) for g, x in zip(grads, sources)], dc, dow
+
+
+def triton_depth_attention_bwd_into(
+    grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps, into, accumulate
+):
+    """Kernel of `Backend.bwd_into`: the source gradients written, or added, into `into` in place."""
+    xs = flat_sources(sources)
+    grads = list(into.view(len(xs), *xs[0].shape).unbind(0))
+    return _backward(grad_out, grad_weights, xs, c, out_norm_weight, weights, rstd, out_eps, grads, accumulate)
+
+
+def _backward(grad_out, grad_weights, xs, c, out_norm_weight, weights, rstd, out_eps, grads, accumulate):
+    n, d = xs[0].shape
     R, device = len(xs), xs[0].device
-    grads = [torch.empty((n, d), dtype=x.dtype, device=device) for x in xs]
     programs = num_programs(device, n)
     dc_part = torch.zeros((programs, d), dtype=torch.float32, device=device)
     dow_part = torch.zeros((programs, d), dtype=torch.float32, device=device)
@@ -367,7 +386,6 @@ def triton_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weig
             weights.reshape(R, n).contiguous(), rstd.reshape(R, n).contiguous(), dc_part, dow_part,
             n, R, programs, out_eps,
             D=d, D_PAD=padded_width(d), OUT_NORM=out_norm_weight is not None, HAS_GRAD_WEIGHTS=gw is not None,
-            DTYPE=TORCH_TO_TRITON[xs[0].dtype], ALIGNED=aligned,
+            DTYPE=TORCH_TO_TRITON[xs[0].dtype], ALIGNED=aligned, ACCUMULATE=accumulate,
         )
-    source_grads = [g.reshape(x.shape) for g, x in zip(grads, sources)]
-    return source_grads, dc_part.sum(0), dow_part.sum(0)
+    return dc_part.sum(0), dow_part.sum(0)

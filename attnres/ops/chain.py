@@ -1,0 +1,110 @@
+"""The Full schedule's points as one chain for the backward: each source's gradient is summed in place, once.
+
+In Full AttnRes, point l reads every source v_0 .. v_{l-1}, so in the backward each source gets a gradient from every
+later point. Through `depth_attention` each point writes R fresh gradients and autograd adds them up: O(L^2) tensors
+written and added. A chain keeps one gradient buffer instead. Each point takes the `carrier` the previous point
+returned and returns its own:
+
+    out, carrier = depth_attention_chained(sources, carrier, query, key_norm_weight, ...)
+
+A carrier's value is nothing (a zero-stride placeholder, shaped `[R, ..., d]` like the R sources of the point that
+made it); its gradient is the running sum, over every later point, of their gradients w.r.t. those R sources. So in
+the backward, a point adds its own contribution into that buffer in place (`Backend.bwd_into`), returns the row of its
+newest source (complete: every later reader has added to it) and hands the rest back as the previous carrier's
+gradient. A point that starts a chain (no carrier in) returns every row; one whose carrier no later point takes ends
+it (its carrier gets no gradient, and it writes a fresh buffer). Nothing outside autograd is shared: the chain orders
+the backward by itself, and since the buffer is a gradient, autograd sums the buffers of two points that took the
+same carrier as for any tensor.
+
+Values and gradients are those of `depth_attention` point by point: in fp32 the sums run in the order autograd runs
+them, so they agree bit for bit; in bf16 and fp16 each partial sum is rounded once (autograd rounds each point's
+gradient, then the sum). The chain runs eagerly: `torch.compile` traces the functional op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from attnres.ops.backends import select_backend
+from attnres.ops.checks import check_depth_attention
+from attnres.ops.depth_attention import (
+    accumulator_dtype,
+    depth_attention_fwd,
+    fold_query,
+    torch_depth_attention_bwd_into,
+)
+
+
+def check_carrier(carrier: torch.Tensor | None, sources: list[torch.Tensor]) -> None:
+    """A carrier continues a chain: it was made by a point with one source fewer, on these sources' dtype and device."""
+    if carrier is None:
+        return
+    x = sources[0]
+    expected = (len(sources) - 1, *x.shape)
+    if not isinstance(carrier, torch.Tensor) or tuple(carrier.shape) != expected:
+        got = tuple(carrier.shape) if isinstance(carrier, torch.Tensor) else type(carrier).__name__
+        raise ValueError(
+            f"carrier: expected the carrier of the previous point, shaped [R - 1, ..., d] = {expected} for R = "
+            f"{len(sources)} sources, got {got}"
+        )
+    if carrier.dtype != x.dtype or carrier.device != x.device:
+        raise ValueError(
+            f"carrier: expected the sources' dtype and device ({x.dtype}, {x.device}), got {carrier.dtype}, "
+            f"{carrier.device}"
+        )
+
+
+class _ChainedPoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, carrier, c, out_norm_weight, eps, out_eps, *sources):
+        out, weights, rstd = depth_attention_fwd(list(sources), c, out_norm_weight, eps, out_eps)
+        ctx.save_for_backward(c, out_norm_weight, weights, rstd, *sources)
+        ctx.eps, ctx.out_eps, ctx.continues = eps, out_eps, carrier is not None
+        ctx.set_materialize_grads(False)  # an unused carrier ends the chain: no zero buffer for it
+        x = sources[0]
+        return out, x.new_empty(()).expand(len(sources), *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_carrier):
+        c, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
+        x = sources[0]
+        if grad_out is None:  # only the carrier is used further on: nothing of this point's own to add
+            grad_out = torch.zeros_like(x)
+        accumulate = grad_carrier is not None
+        if accumulate:
+            # the later points' sums, added onto in place; anything but our own contiguous buffer is copied first
+            into = grad_carrier if grad_carrier.is_contiguous() else grad_carrier.contiguous()
+        else:
+            into = torch.empty((len(sources), *x.shape), dtype=x.dtype, device=x.device)
+        bwd_into = select_backend(x).bwd_into or torch_depth_attention_bwd_into
+        dc, d_out_w = bwd_into(
+            grad_out.contiguous(), None, sources, c, out_norm_weight, weights, rstd, ctx.eps, ctx.out_eps, into,
+            accumulate,
+        )
+        d_out_w = None if out_norm_weight is None else d_out_w.to(out_norm_weight.dtype)
+        if ctx.continues:  # the newest source is complete; the older ones go on summing in the previous point
+            grads, back = [None] * (len(sources) - 1) + [into[-1]], into[:-1]
+        else:
+            grads, back = list(into.unbind(0)), None
+        return back, dc, d_out_w, None, None, *grads
+
+
+def depth_attention_chained(
+    sources: Sequence[torch.Tensor],
+    carrier: torch.Tensor | None,
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+    out_norm_weight: torch.Tensor | None = None,
+    out_eps: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`depth_attention` (same arguments, without `return_weights`) as a point of a chain: also takes the previous
+    point's carrier (None starts a chain) and returns (mixture, this point's carrier) for the next point, which must
+    read these sources plus one more. The mixture and every gradient are `depth_attention`'s."""
+    xs, eps, out_eps = check_depth_attention(sources, query, key_norm_weight, eps, out_norm_weight, out_eps)
+    check_carrier(carrier, xs)
+    c = fold_query(query, key_norm_weight, accumulator_dtype(xs[0].dtype))
+    return _ChainedPoint.apply(carrier, c, out_norm_weight, eps, out_eps, *xs)

@@ -1,0 +1,93 @@
+"""A Full model's training forward chains its aggregation points (`attnres.ops.chain`): the decoder layers hand the
+chain's carrier on in their `ResidualState`, and the loss and every gradient are those of the functional points.
+
+The functional run is the same model with the chain switched off where the model decides it (`_stream_options`).
+With the torch kernels both sum each source's gradient in autograd's order, so they agree bit for bit; the CPU kernel
+may fuse its add differently (fp32 rounding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres.models import wiring
+from attnres.ops import backends
+from tests.models.test_checkpointing import REENTRANT, make_model, training_step
+
+BACKENDS = ["torch", "auto"]
+
+
+@pytest.fixture
+def functional_points(monkeypatch):
+    """Returns a context in which the model's Full points run unchained."""
+    options = wiring._stream_options
+
+    class Unchained:
+        def __enter__(self):
+            monkeypatch.setattr(wiring, "_stream_options", lambda *a: {**options(*a), "chain": False})
+
+        def __exit__(self, *exc):
+            monkeypatch.setattr(wiring, "_stream_options", options)
+
+    return Unchained
+
+
+def assert_steps_agree(got, want, exact: bool) -> None:
+    (loss, grads), (want_loss, want_grads) = got, want
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want_grads.keys()
+    for name, want_grad in want_grads.items():
+        assert (grads[name] is None) == (want_grad is None), name
+        if want_grad is None:
+            continue
+        if exact:
+            assert torch.equal(grads[name], want_grad), name
+        else:
+            torch.testing.assert_close(grads[name], want_grad, rtol=1e-5, atol=1e-5 * want_grad.abs().max().item(),
+                                       msg=lambda m: f"{name}: {m}")
+
+
+def carriers(model, **forward) -> list[torch.Tensor | None]:
+    """The carrier each decoder layer hands on, in one forward."""
+    seen = []
+    hooks = [layer.register_forward_hook(lambda m, a, out: seen.append(out.carrier)) for layer in model.model.layers]
+    try:
+        model(input_ids=torch.arange(8)[None] % 64, **forward)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def test_a_training_forward_hands_the_carrier_from_layer_to_layer():
+    model = make_model(residual="full")
+    made = carriers(model)
+    L = model.config.num_hidden_layers
+    # layer i's last point (its MLP side) reads the embedding and 2i + 1 outputs
+    assert [None if c is None else c.shape[0] for c in made] == [2 * i + 2 for i in range(L)]
+    assert all(c.stride()[0] == 0 and c.requires_grad for c in made)  # placeholders: their gradients carry the sums
+    with torch.no_grad():
+        assert carriers(model) == [None] * L  # no backward, no chain
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_chained_training_gives_the_functional_loss_and_gradients(family, backend, functional_points, monkeypatch):
+    monkeypatch.setenv(backends.BACKEND_ENV, backend)
+    model = make_model(family, "full")
+    with functional_points():
+        want = training_step(model)
+    assert_steps_agree(training_step(model), want, exact=backend == "torch")
+
+
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_checkpointed_chains_give_the_functional_gradients(use_reentrant, functional_points, monkeypatch):
+    """Reentrant checkpointing runs the layers without gradients and replays them with: both make the same carriers."""
+    monkeypatch.setenv(backends.BACKEND_ENV, "torch")
+    model = make_model("llama", "full")
+    with functional_points():
+        want = training_step(model)
+    model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+    assert_steps_agree(training_step(model), want, exact=True)
+

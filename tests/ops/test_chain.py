@@ -1,0 +1,192 @@
+"""A chain of Full points (`attnres.ops.chain`): the gradients of `depth_attention` point by point, summed in place.
+
+Every backend's `bwd_into` against its own `bwd` (the Triton one in tests/ops/test_triton.py), then chains of points
+against the functional op on a small Full-like graph: the torch twin bit for bit in fp32 (it sums in autograd's
+order), the CPU kernel to fp32 rounding, bf16 against an fp64 oracle. Then the chain's shapes: broken, forked, ended
+early, and the errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres.ops import backends, cpu, depth_attention
+from attnres.ops.chain import depth_attention_chained
+from attnres.ops.depth_attention import (
+    torch_depth_attention_bwd,
+    torch_depth_attention_bwd_into,
+    torch_depth_attention_fwd,
+)
+
+EPS, OUT_EPS = 1e-6, 1e-5
+BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(cpu.disabled(), reason="CPU kernel disabled"))]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch) -> str:
+    monkeypatch.setenv(backends.BACKEND_ENV, "torch" if request.param == "torch" else "auto")
+    return request.param
+
+
+def kernels(name: str):
+    if name == "torch":
+        return torch_depth_attention_bwd, torch_depth_attention_bwd_into
+    return cpu.cpu_depth_attention_bwd, cpu.cpu_depth_attention_bwd_into
+
+
+def backward_case(R: int, dtype: torch.dtype, out_norm: bool, d: int = 37, lead=(3, 5)):
+    sources = [(torch.randn(*lead, d) * (0.5 + j / 3)).to(dtype) for j in range(R)]
+    c = torch.randn(d) * 2 / d**0.5
+    out_w = 1 + 0.3 * torch.randn(d) if out_norm else None
+    _, weights, rstd = torch_depth_attention_fwd(sources, c, out_w, EPS, OUT_EPS)
+    grad_out = torch.randn(*lead, d).to(dtype)
+    return grad_out, sources, c, out_w, weights, rstd
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("out_norm", [False, True], ids=["plain", "onorm"])
+def test_bwd_into_writes_what_bwd_returns_and_adds_it_in_place(backend, dtype, out_norm):
+    bwd, bwd_into = kernels(backend)
+    grad_out, sources, c, out_w, weights, rstd = backward_case(4, dtype, out_norm)
+    grads, dc, d_out_w = bwd(grad_out, None, sources, c, out_w, weights, rstd, EPS, OUT_EPS)
+
+    into = torch.full((4, *sources[0].shape), float("nan"), dtype=dtype)  # every element must be written
+    dc_into, d_out_w_into = bwd_into(grad_out, None, sources, c, out_w, weights, rstd, EPS, OUT_EPS, into, False)
+    assert torch.equal(into, torch.stack(grads))
+    assert torch.equal(dc_into, dc) and torch.equal(d_out_w_into, d_out_w)
+
+    base = torch.randn_like(into, dtype=torch.float32).to(dtype)
+    summed = base.clone()
+    bwd_into(grad_out, None, sources, c, out_w, weights, rstd, EPS, OUT_EPS, summed, True)
+    expected = base.float() + torch.stack(grads).float()
+    if dtype == torch.float32 and backend == "torch":
+        assert torch.equal(summed, expected)  # autograd's own fp32 add
+    else:
+        # the kernel adds its fp32 gradient before rounding (the CPU kernel may fuse the add): the sum is rounded once,
+        # where `expected` rounded the gradient: together at most one ulp of the operands' magnitudes
+        ulp = 2.0**-23 if dtype == torch.float32 else 2.0**-7
+        bound = ulp * (base.float().abs() + torch.stack(grads).float().abs())
+        assert ((summed.float() - expected).abs() <= bound).all()
+
+
+def full_graph(
+    chained: bool, dtype: torch.dtype, points: int = 7, d: int = 24, tokens: int = 40, cut: int | None = None,
+    side_use: bool = False, compute: torch.dtype | None = None,
+):
+    """A Full-like forward: point l mixes the embedding and the l earlier outputs, a small layer makes the next source.
+    Odd points fuse an output norm. `cut`: the carrier is dropped before that point (a new chain starts there);
+    `side_use`: a source is also used outside the points; `compute`: run in this dtype on the inputs rounded to
+    `dtype` (the fp64 oracle of a low-precision run). Returns the loss and the leaves whose gradients are compared."""
+    g = torch.Generator().manual_seed(1)
+    compute = compute or dtype
+    emb = (torch.randn(tokens, d, generator=g) * 3).to(dtype).to(compute).requires_grad_()
+    queries = [(torch.randn(d, generator=g) / d**0.5).requires_grad_() for _ in range(points)]
+    gains = [(1 + 0.2 * torch.randn(d, generator=g)).requires_grad_() for _ in range(points)]
+    out_w = (1 + 0.2 * torch.randn(d, generator=g)).requires_grad_()
+    mats = [(torch.randn(d, d, generator=g) / d**0.5).to(dtype).to(compute) for _ in range(points)]
+    sources, carrier = [emb], None
+    for p in range(points):
+        norm = out_w if p % 2 else None
+        if chained:
+            carrier = None if p == cut else carrier
+            h, carrier = depth_attention_chained(sources, carrier, queries[p], gains[p], eps=EPS, out_norm_weight=norm,
+                                                 out_eps=OUT_EPS)
+        else:
+            h = depth_attention(sources, queries[p], gains[p], eps=EPS, out_norm_weight=norm, out_eps=OUT_EPS)
+        sources.append(torch.tanh(h @ mats[p]) * (1 + p))
+    loss = (sources[-1].float() * torch.linspace(-1, 1, d)).sum()
+    if side_use:
+        loss = loss + sources[3].float().square().mean()
+    return loss, [emb, *queries, *gains, out_w]
+
+
+def grads_of(chained: bool, dtype: torch.dtype, **kwargs) -> list[torch.Tensor]:
+    loss, leaves = full_graph(chained, dtype, **kwargs)
+    loss.backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("cut", [None, 3], ids=["one-chain", "cut-at-3"])
+@pytest.mark.parametrize("side_use", [False, True], ids=["", "side-use"])
+def test_a_chain_gives_the_functional_gradients(backend, cut, side_use):
+    plain = grads_of(False, torch.float32, side_use=side_use)
+    chained = grads_of(True, torch.float32, cut=cut, side_use=side_use)
+    for j, (a, b) in enumerate(zip(chained, plain)):
+        if backend == "torch" and not side_use and cut is None:
+            # a gradient used elsewhere too (or from two chains) is added to the chain's sum last, where autograd
+            # adds each point's in turn
+            assert torch.equal(a, b), f"leaf {j}: the torch twin sums in autograd's order, bit for bit"
+        else:
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6 * b.abs().max().item())
+
+
+def test_the_values_are_the_functional_ones(backend):
+    plain, _ = full_graph(False, torch.float32)
+    chained, _ = full_graph(True, torch.float32)
+    assert torch.equal(plain, chained)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_chains_are_as_close_to_fp64_as_autograds_sums(backend, dtype):
+    """Each partial sum is rounded once, where autograd rounds each point's gradient and then their sum. Against the
+    fp64 gradients (on the same rounded inputs), every leaf's error is within twice the functional path's plus 1e-3 of
+    the gradient's norm: the criterion of the GPU check's parity stage (benchmarks/gpu_model_check.py). Rounding
+    differences feed through the later sublayers, so the two errors differ leaf by leaf either way."""
+    oracle = grads_of(False, dtype, compute=torch.float64)
+    plain, chained = grads_of(False, dtype), grads_of(True, dtype)
+    for j, (p, c, o) in enumerate(zip(plain, chained, oracle)):
+        err_plain = (p.double() - o).norm().item()
+        err_chain = (c.double() - o).norm().item()
+        floor = 1e-3 * o.norm().item()
+        assert err_chain <= 2 * err_plain + floor, f"leaf {j}: chained error {err_chain:.3g}, plain {err_plain:.3g}"
+
+
+def test_two_points_on_one_carrier_get_their_gradients_summed(backend):
+    """A carrier taken twice (two branches after one point): autograd adds the two gradient buffers, as for any
+    tensor, and every gradient is still the functional one."""
+    torch.manual_seed(3)
+    d = 16
+    emb = torch.randn(8, d, requires_grad=True)
+    qs = [torch.randn(d, requires_grad=True) for _ in range(4)]
+
+    def run(chained):
+        for t in (emb, *qs):
+            t.grad = None
+        if chained:
+            h0, k0 = depth_attention_chained([emb], None, qs[0])
+            v1 = torch.sin(h0)
+            a, _ = depth_attention_chained([emb, v1], k0, qs[1])
+            b, _ = depth_attention_chained([emb, v1], k0, qs[2])
+        else:
+            v1 = torch.sin(depth_attention([emb], qs[0]))
+            a, b = depth_attention([emb, v1], qs[1]), depth_attention([emb, v1], qs[2])
+        (a.square().sum() + (b * 3).sum()).backward()
+        return [t.grad.clone() for t in (emb, *qs[:3])]
+
+    for x, y in zip(run(True), run(False)):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+
+
+def test_a_point_whose_output_is_unused_still_hands_the_chain_on(backend):
+    d = 12
+    emb = torch.randn(6, d, requires_grad=True)
+    q = torch.randn(d, requires_grad=True)
+    _, k0 = depth_attention_chained([emb], None, q)  # its mixture is never used
+    v1 = emb * 2
+    h, _ = depth_attention_chained([emb, v1], k0, q)
+    h.sum().backward()
+    ref_emb = emb.detach().clone().requires_grad_()
+    expected = torch.autograd.grad(depth_attention([ref_emb, ref_emb * 2], q).sum(), ref_emb)[0]
+    torch.testing.assert_close(emb.grad, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_carrier_that_does_not_continue_the_chain_is_refused():
+    d = 8
+    x = torch.randn(4, d)
+    q = torch.zeros(d)
+    _, carrier = depth_attention_chained([x, x], None, q)  # made by a point of two sources
+    with pytest.raises(ValueError, match=r"carrier: expected the carrier of the previous point.*\(1, 4, 8\)"):
+        depth_attention_chained([x, x], carrier, q)
+    with pytest.raises(ValueError, match="carrier: expected the sources' dtype"):
+        depth_attention_chained([x, x, x], carrier.to(torch.float64), q)
