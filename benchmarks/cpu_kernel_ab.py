@@ -5,7 +5,8 @@ project's own flags under an op namespace of its own, so both load side by side;
 and the head's on the same sources, each first in turn. On a shared, noisy machine this keeps load changes out of the
 ratio, which separate processes do not. The case is the Full schedule of a model (aggregation points over 1, 2, ...,
 2L + 1 sources of `[tokens, d]`), its forward and its backward (with the fused output norm), calling the kernels
-directly.
+directly; the backward is the chain's (each point adding into one gradient buffer, attnres/ops/chain.py) when both
+revisions have it.
 
     python -m benchmarks.cpu_kernel_ab --base HEAD~1                     # the working tree against its parent
     python -m benchmarks.cpu_kernel_ab --base 9b70f0a --head 4214f55 --threads 2 --out docs/cpu_kernel_ab.json
@@ -76,18 +77,35 @@ def load_ops(name: str, source: str, folder: Path):
     return getattr(torch.ops, name)
 
 
-def full_schedule(ops, sources, c, norm_weight, grad_out, saved):
-    """The forward and the backward of every point of the Full schedule, as two callables."""
+def full_schedule(ops, sources, c, norm_weight, grad_out, saved, chained: bool):
+    """The forward and the backward of every point of the Full schedule, as two callables. With `chained`, the
+    backward is the chain's (attnres/ops/chain.py): the points from the last to the first, each adding its source
+    gradients into one buffer (the last point writes it)."""
+    into = torch.empty(len(sources), *sources[0].shape) if chained else None
 
     def forward():
         for r in range(1, len(sources) + 1):
             ops.depth_attention_fwd(sources[:r], c, norm_weight, EPS, EPS)
 
     def backward():
-        for r, (_, weights, rstd) in enumerate(saved, start=1):
-            ops.depth_attention_bwd(grad_out, None, sources[:r], c, norm_weight, weights, rstd, EPS)
+        if chained:
+            for r, (_, weights, rstd) in reversed(list(enumerate(saved, start=1))):
+                ops.depth_attention_bwd_into(grad_out, None, sources[:r], c, norm_weight, weights, rstd, EPS,
+                                             into[:r], r < len(sources))
+        else:
+            for r, (_, weights, rstd) in enumerate(saved, start=1):
+                ops.depth_attention_bwd(grad_out, None, sources[:r], c, norm_weight, weights, rstd, EPS)
 
     return {"forward": forward, "backward": backward}
+
+
+def has_chain(ops) -> bool:
+    """Whether a revision's kernel has the chain's backward (`depth_attention_bwd_into`, from 0863e47 on)."""
+    try:
+        ops.depth_attention_bwd_into
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,7 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     c = 0.1 * torch.randn(args.dim, generator=gen)
     norm_weight, grad_out = torch.ones(args.dim), torch.randn(args.tokens, args.dim, generator=gen)
     saved = [ops["base"].depth_attention_fwd(sources[:r], c, norm_weight, EPS, EPS) for r in range(1, len(sources) + 1)]
-    cases = {side: full_schedule(o, sources, c, norm_weight, grad_out, saved) for side, o in ops.items()}
+    chained = all(has_chain(o) for o in ops.values())
+    print(f"backward: {'the chain (bwd_into)' if chained else 'one point at a time (bwd)'}")
+    cases = {side: full_schedule(o, sources, c, norm_weight, grad_out, saved, chained) for side, o in ops.items()}
     times = {(side, phase): [] for side in cases for phase in ("forward", "backward")}
     for repeat in range(args.repeats + 2):  # two warm-up rounds
         for phase in ("forward", "backward"):
@@ -124,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['head_over_base']['median']:.3f}")
     if args.out is not None:
         points = 2 * args.layers + 1
-        write_record("benchmarks.cpu_kernel_ab", args, argv, {"points": points}, results=results)
+        write_record("benchmarks.cpu_kernel_ab", args, argv, {"points": points, "chained_backward": chained},
+                     results=results)
 
 
 if __name__ == "__main__":
