@@ -18,6 +18,7 @@ is no checkpointed layer, finds it in `ACTIVE_RECORDS`.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -96,16 +97,21 @@ class Records:
 ACTIVE_RECORDS = CompileableContextVar("attn_res_records")
 
 
+# "0" runs Full's points one at a time in training too (the chain's gradients are the same; this is for comparison)
+FULL_CHAIN_ENV = "ATTNRES_FULL_CHAIN"
+
+
 def _stream_options(config, records: Records | None, inference: bool, training: bool) -> dict:
     """`training`: the forward has a backward (or reentrant checkpointing will replay it with one). Full's points then
-    form a chain (`attnres.ops.chain`), except where traced: `torch.compile` takes the functional op."""
+    form a chain (`attnres.ops.chain`), except where traced (`torch.compile` takes the functional op) or switched off
+    by ATTNRES_FULL_CHAIN=0."""
     return dict(
         block_size=config.attn_res_block_size,
         rescale_mixture=config.attn_res_rescale_mixture,
         two_phase=config.attn_res_two_phase,
         record_weights=records is not None and records.depth,
         inference=inference,
-        chain=training and not torch.compiler.is_compiling(),
+        chain=training and not torch.compiler.is_compiling() and os.environ.get(FULL_CHAIN_ENV, "1") != "0",
     )
 
 

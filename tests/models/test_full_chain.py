@@ -1,7 +1,7 @@
 """A Full model's training forward chains its aggregation points (`attnres.ops.chain`): the decoder layers hand the
 chain's carrier on in their `ResidualState`, and the loss and every gradient are those of the functional points.
 
-The functional run is the same model with the chain switched off where the model decides it (`_stream_options`).
+The functional run is the same model with the chain switched off (ATTNRES_FULL_CHAIN=0).
 With the torch kernels both sum each source's gradient in autograd's order, so they agree bit for bit; the CPU kernel
 may fuse its add differently (fp32 rounding).
 """
@@ -21,14 +21,13 @@ BACKENDS = ["torch", "auto"]
 @pytest.fixture
 def functional_points(monkeypatch):
     """Returns a context in which the model's Full points run unchained."""
-    options = wiring._stream_options
 
     class Unchained:
         def __enter__(self):
-            monkeypatch.setattr(wiring, "_stream_options", lambda *a: {**options(*a), "chain": False})
+            monkeypatch.setenv(wiring.FULL_CHAIN_ENV, "0")
 
         def __exit__(self, *exc):
-            monkeypatch.setattr(wiring, "_stream_options", options)
+            monkeypatch.delenv(wiring.FULL_CHAIN_ENV)
 
     return Unchained
 
@@ -69,6 +68,12 @@ def test_a_training_forward_hands_the_carrier_from_layer_to_layer():
     assert all(c.stride()[0] == 0 and c.requires_grad for c in made)  # placeholders: their gradients carry the sums
     with torch.no_grad():
         assert carriers(model) == [None] * L  # no backward, no chain
+
+
+def test_the_switch_turns_the_chain_off(monkeypatch):
+    model = make_model(residual="full")
+    monkeypatch.setenv(wiring.FULL_CHAIN_ENV, "0")
+    assert carriers(model) == [None] * model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
