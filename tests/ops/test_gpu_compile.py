@@ -287,6 +287,9 @@ def builds(op: str, target: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[
 
 def op_builds(job: tuple[str, str]) -> tuple[list[Build], list[str]]:
     op, target = job
+    # a forked child must not enter an OpenMP parallel region: GNU libgomp's thread pool does not survive fork, and
+    # the launchers' small torch ops (a sum over programs) hung there; one thread runs them inline
+    torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as monkeypatch:
         return builds(op, target, monkeypatch)
 
