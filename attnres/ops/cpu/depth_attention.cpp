@@ -176,6 +176,13 @@ inline A hsum(Vec<A> v) {
   return fold_halves<Vec<A>, kWidth<A>>(v);
 }
 
+// `sum_lanes` shuffles with masks built at run time, which only GCC's __builtin_shuffle takes; other compilers keep
+// one hsum per register.
+#if defined(__GNUC__) && !defined(__clang__)
+#define ATTNRES_FOLD_LANES 1
+#endif
+
+#ifdef ATTNRES_FOLD_LANES
 // The masks of `sum_lanes`: at level l, lane blocks of b = W / 2^(l+1) lanes; the result's block 2k is the first
 // (lo) or second (hi) half of the pair's first register's 2b-lane block k, block 2k + 1 that of its second register.
 template <class A>
@@ -245,6 +252,7 @@ inline void dot_rows_folded(const typename K::raw* const* x, int64_t count, cons
       (q < NY ? out[j * NY + q] : sq[j]) = t;
     }
 }
+#endif
 
 // dot_rows for rows of at most kFold registers and NY rows y: one row x_j at a time, its NY products and sum of
 // squares held in registers (a short row's loads are few, so reading the rows side by side gains nothing, and the
@@ -285,6 +293,7 @@ inline void dot_rows(const typename K::raw* const* x, int64_t count, const std::
   constexpr int64_t w = kWidth<A>, line = 64 / sizeof(typename K::raw), kFold = 32;
   static_assert(line % w == 0, "a cache line of the storage format must fill whole registers");
   if (d <= kFold * w) {  // short rows (already few terms per lane): one row at a time, its sums in registers
+#ifdef ATTNRES_FOLD_LANES
     if (sq != nullptr && 2 * count * (n_y + 1) >= w) {
       switch (n_y) {
         case 0: return dot_rows_folded<K, 0>(x, count, y, d, out, sq, scratch);
@@ -292,6 +301,7 @@ inline void dot_rows(const typename K::raw* const* x, int64_t count, const std::
         case 2: return dot_rows_folded<K, 2>(x, count, y, d, out, sq, scratch);
       }
     }
+#endif
     switch (n_y) {
       case 0: return dot_rows_short<K, 0>(x, count, y, d, out, sq);
       case 1: return dot_rows_short<K, 1>(x, count, y, d, out, sq);
