@@ -105,17 +105,7 @@ class DepthAttention(nn.Module):
         return_weights: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Mix the sources; with `out_norm`, fuse that sublayer PreNorm (its eps, unless `out_eps` overrides)."""
-        if out_norm is not None and out_eps is None:
-            out_eps = out_norm.eps
-        return depth_attention(
-            sources,
-            local_weight(self.proj.weight),
-            local_weight(self.norm.weight),
-            eps=self.eps,
-            out_norm_weight=None if out_norm is None else local_weight(out_norm.weight),
-            out_eps=out_eps,
-            return_weights=return_weights,
-        )
+        return depth_attention(sources, **self._op_arguments(out_norm, out_eps), return_weights=return_weights)
 
     def chained(
         self,
@@ -127,16 +117,16 @@ class DepthAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` as a point of a Full chain (`attnres.ops.chain`): takes the previous point's carrier (None starts
         a chain) and returns (mixture, this point's carrier)."""
-        if out_norm is not None and out_eps is None:
-            out_eps = out_norm.eps
-        return depth_attention_chained(
-            sources,
-            carrier,
-            local_weight(self.proj.weight),
-            local_weight(self.norm.weight),
+        return depth_attention_chained(sources, carrier, **self._op_arguments(out_norm, out_eps))
+
+    def _op_arguments(self, out_norm: RMSNorm | None, out_eps: float | None) -> dict:
+        """The depth-attention op's arguments besides the sources, read from the weights now."""
+        return dict(
+            query=local_weight(self.proj.weight),
+            key_norm_weight=local_weight(self.norm.weight),
             eps=self.eps,
             out_norm_weight=None if out_norm is None else local_weight(out_norm.weight),
-            out_eps=out_eps,
+            out_eps=out_norm.eps if out_norm is not None and out_eps is None else out_eps,
         )
 
     @torch.no_grad()
@@ -162,6 +152,7 @@ class NamedPoint:
     __slots__ = ("owner", "proj_name", "norm_name")
     forward = __call__ = DepthAttention.forward
     chained = DepthAttention.chained
+    _op_arguments = DepthAttention._op_arguments
     folded_query = DepthAttention.folded_query
     eps = DepthAttention.eps
 

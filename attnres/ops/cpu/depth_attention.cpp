@@ -190,20 +190,19 @@ struct FoldMasks {
   using Lanes = typename VecOf<std::conditional_t<sizeof(A) == 4, int32_t, int64_t>, kWidth<A>>::type;
   static constexpr int64_t W = kWidth<A>, levels = std::bit_width(uint64_t(W)) - 1;
   Lanes lo[levels], hi[levels];
+  int64_t order[W];  // order[k]: k's log2(W) bits reversed, the register that feeds slot k
   FoldMasks() {
     for (int64_t l = 0, b = W / 2; l < levels; ++l, b /= 2)
       for (int64_t t = 0; t < W; ++t) {
         const int64_t block = t / b, in = (block % 2) * W + 2 * b * (block / 2) + t % b;
         lo[l][t] = in, hi[l][t] = in + b;
       }
+    for (int64_t k = 0; k < W; ++k) {
+      order[k] = 0;
+      for (int64_t w = W, r = k; w > 1; w /= 2, r /= 2) order[k] = 2 * order[k] + r % 2;
+    }
   }
 };
-
-inline int64_t bit_reverse(int64_t k, int64_t width) {  // k's log2(width) bits in reverse order
-  int64_t r = 0;
-  for (int64_t w = width; w > 1; w /= 2, k /= 2) r = 2 * r + k % 2;
-  return r;
-}
 
 // out[k] = the sum of v[k]'s lanes for n registers, W (the lane count) at a time. Each level folds pairs of registers
 // into one whose lane blocks hold the two halves of the pair's blocks added: W registers take W - 1 adds where one
@@ -215,7 +214,7 @@ inline void sum_lanes(const Vec<A>* v, int64_t n, A* out) {
   for (int64_t g = 0; g < n; g += W) {
     Vec<A> r[W];
     for (int64_t k = 0; k < W; ++k) {
-      const int64_t src = g + bit_reverse(k, W);
+      const int64_t src = g + masks.order[k];
       r[k] = src < n ? v[src] : Vec<A>{};
     }
     for (int64_t l = 0, m = W; m > 1; ++l, m /= 2)
