@@ -2,11 +2,11 @@
 // of the two-phase computation (attnres/ops/two_phase.py).
 //
 // The operator is memory-bound: its floor is one read of its sources. So each kernel reads every source row from
-// memory once, one token at a time, and does the rest of its work while the token's rows sit in L2:
-//  - forward: score the token's rows (dot with c and sum of squares, the R rows read side by side), then mix them
-//    in one fused pass that keeps a block of the output in registers while the R rows stream past. When the rows
-//    of a token do not fit in L2 they are taken in groups merged by an online softmax (running max, rescaled
-//    partial sum);
+// memory once, one token (or one tile of tokens) at a time, and does the rest of its work while those rows sit in L2:
+//  - forward: score a tile of tokens' rows (dot with c and sum of squares, each token's R rows read side by side),
+//    softmax them as vectors across the tile, then mix each token's rows in one fused pass that keeps a block of the
+//    output in registers while the R rows stream past. When the rows of a token do not fit in L2 they are taken in
+//    groups merged by an online softmax (running max, rescaled partial sum);
 //  - backward: (with the output norm: mix again, for its gradient), dot each row with c and dm, then write every
 //    source gradient in one pass that accumulates dc from the same loads;
 //  - phase 1 (forward and backward): the same two passes with S queries at once, so each source row is read from
@@ -452,14 +452,72 @@ inline int64_t grain_size(int64_t n_src, int64_t d) {  // tokens per task: enoug
 // Bytes of source rows that one token keeps hot between its passes: half of a typical 512 KiB - 2 MiB L2.
 constexpr int64_t kHotBytes = 256 * 1024;
 
-// Per-thread scratch of forward_token for tokens of n_src rows of d elements.
+// Tokens that the forward takes together (a tile), when their rows fit in kHotBytes: the per-source scalar steps
+// (key rstd, score, softmax) then run as vectors across the tile's tokens. One token at a time they are chains of
+// divisions, square roots and exp calls that cost more than the rows' own reads (about 2x the whole forward at d=96).
+constexpr int64_t kTile = 16;
+
+// sqrt of each lane, correctly rounded as std::sqrt is (so a lane's result is the scalar one bit for bit).
+template <class A>
+inline Vec<A> sqrt_lanes(Vec<A> v) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(A) == 4) return Vec<A>(_mm512_sqrt_ps(__m512(v)));
+  else return Vec<A>(_mm512_sqrt_pd(__m512d(v)));
+#elif defined(__AVX__)
+  if constexpr (sizeof(A) == 4) return Vec<A>(_mm256_sqrt_ps(__m256(v)));
+  else return Vec<A>(_mm256_sqrt_pd(__m256d(v)));
+#else
+  for (int64_t k = 0; k < kWidth<A>; ++k) v[k] = std::sqrt(v[k]);
+  return v;
+#endif
+}
+
+// e^x for each lane. fp32: the usual reduction x = n ln2 + r (|r| <= ln2 / 2) and Cephes' degree-7 polynomial for
+// e^r, within about one unit in the last place of std::exp; 2^n is applied in two halves, so results down to the
+// subnormals round once and e^x below them is 0; inf above the largest float, NaN for NaN. fp64 takes std::exp per
+// lane. Never inlined, so that a tile of tokens and one token (the fused bank ops) round alike.
+template <class A>
+__attribute__((noinline)) Vec<A> exp_lanes(Vec<A> x) {
+  if constexpr (sizeof(A) == 8) {
+    for (int64_t k = 0; k < kWidth<A>; ++k) x[k] = std::exp(x[k]);
+    return x;
+  } else {
+    using I = typename VecOf<int32_t, kWidth<float>>::type;
+    const Vec<float> lo = splat(-104.0f), hi = splat(88.72283935546875f), shifter = splat(12582912.0f);  // 1.5 * 2^23
+    const Vec<float> xc = x < lo ? lo : x > hi ? hi : x;  // NaN compares false both ways and stays NaN
+    const Vec<float> t = xc * splat(1.44269504088896341f) + shifter;  // n = round(x / ln2) in t's low bits
+    const Vec<float> n = t - shifter;
+    const Vec<float> r = (xc - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);  // Cody-Waite: ln2 = hi + lo
+    Vec<float> p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    const Vec<float> e = p * (r * r) + r + splat(1.0f);
+    const I ni = reinterpret_cast<I>(t) - reinterpret_cast<I>(shifter), n1 = ni >> 1, n2 = ni - n1;
+    const Vec<float> y = e * reinterpret_cast<Vec<float>>((n1 + 127) << 23) * reinterpret_cast<Vec<float>>((n2 + 127) << 23);
+    return x > hi ? splat(std::numeric_limits<float>::infinity()) : y;
+  }
+}
+
+// Per-thread scratch of forward_tile for tokens of n_src rows of d elements: the per-source values of a tile are kept
+// source-major, [n_src][kTile], so that each source's values for the tile's tokens fill whole registers.
 template <class A>
 struct ForwardScratch {
-  std::vector<A> acc, score, rstd, sq, xc, p;
+  static constexpr int64_t lanes = (kTile + kWidth<A> - 1) / kWidth<A> * kWidth<A>;
+  std::vector<A> acc, xc, sq, score, rstd, p, mx, z, scale, token;
   std::vector<Vec<A>> dots;
-  ForwardScratch(int64_t n_src, int64_t d)
-      : acc(d), score(n_src), rstd(n_src), sq(n_src), xc(n_src), p(n_src), dots(4 * n_src) {}
+  ForwardScratch(int64_t n_src, int64_t d, int64_t tile)
+      : acc(tile * d), xc(n_src * lanes), sq(n_src * lanes), score(n_src * lanes), rstd(n_src * lanes),
+        p(n_src * lanes), mx(lanes), z(lanes), scale(lanes), token(2 * n_src), dots(4 * n_src) {}
 };
+
+// Tokens per tile for rows of n_src x d elements of `bytes` each: as many as keep their rows within kHotBytes, at
+// most kTile, at least 1.
+inline int64_t tile_tokens(int64_t n_src, int64_t d, int64_t bytes) {
+  return std::clamp<int64_t>(kHotBytes / (n_src * d * bytes), 1, kTile);
+}
 
 // out = inv_z * acc, through the output norm (o * RMSNorm) when its gain out_w is given, in the storage format.
 template <class K, class A = typename K::acc>
@@ -469,39 +527,59 @@ inline void store_mixture(typename K::raw* out, const A* acc, A inv_z, const A* 
   store_row<K>(out, acc, factor, out_w, d);
 }
 
-// The forward for one token over its n_src rows x: writes the (normed) mixture to `out` and leaves each row's score
-// and key rstd in s.score and s.rstd, and p_j = exp(score_j - largest) in s.p; returns 1 / sum_j p_j. Never inlined:
-// the one-shot op and the fused bank ops run this very code, so they agree bit for bit (inlined copies could be
-// contracted into FMAs differently).
+// The forward for a tile of n tokens, token t with its n_src rows x[t * n_src + j]: writes each (normed) mixture to
+// out + t * d and leaves, at [j * lanes + t], each row's key rstd in s.rstd and its weight's numerator p_j =
+// exp(score_j - largest) in s.p, and 1 / sum_j p_j in s.z[t]. Rows that do not fit in kHotBytes together (one token
+// per tile, then) are taken in groups merged by an online softmax: running max, rescaled partial sums. Never
+// inlined: the one-shot op and the fused bank ops (one token per tile) run this very code and agree bit for bit.
 template <class K>
-__attribute__((noinline)) typename K::acc forward_token(
-    const typename K::raw* const* x, int64_t n_src, const typename K::acc* c, const typename K::acc* out_w,
-    double eps, double out_eps, int64_t d, ForwardScratch<typename K::acc>& s, typename K::raw* out) {
+__attribute__((noinline)) void forward_tile(
+    const typename K::raw* const* x, int64_t n, int64_t n_src, const typename K::acc* c,
+    const typename K::acc* out_w, double eps, double out_eps, int64_t d, ForwardScratch<typename K::acc>& s,
+    typename K::raw* out) {
   using A = typename K::acc;
+  using P = Plain<A>;
+  constexpr int64_t w = kWidth<A>, L = ForwardScratch<A>::lanes;
   const int64_t group = std::clamp<int64_t>(kHotBytes / (d * int64_t(sizeof(typename K::raw))), 1, n_src);
-  A mx = -std::numeric_limits<A>::infinity(), z = 0;  // running max of the scores, sum of exp(score - mx)
+  const A dn = A(d), ep = A(eps), inf = std::numeric_limits<A>::infinity();
   for (int64_t g0 = 0; g0 < n_src; g0 += group) {
     const int64_t g1 = std::min(n_src, g0 + group);
-    dot_rows<K>(x + g0, g1 - g0, &c, 1, d, s.dots.data(), s.xc.data() + g0, s.sq.data() + g0);
-    A group_mx = -std::numeric_limits<A>::infinity();
-    for (int64_t j = g0; j < g1; ++j) {
-      const A r = rsqrt(s.sq[j] / A(d) + A(eps));
-      s.rstd[j] = r;
-      s.score[j] = s.xc[j] * r;
-      group_mx = std::max(group_mx, s.score[j]);
+    for (int64_t t = 0; t < n; ++t) {
+      dot_rows<K>(x + t * n_src + g0, g1 - g0, &c, 1, d, s.dots.data(), s.token.data(), s.token.data() + n_src);
+      for (int64_t j = g0; j < g1; ++j) s.xc[j * L + t] = s.token[j - g0], s.sq[j * L + t] = s.token[n_src + j - g0];
     }
-    const A new_mx = std::max(mx, group_mx);
-    const A scale = g0 == 0 ? A(0) : std::exp(mx - new_mx);  // rescales what earlier groups accumulated
-    z *= scale;
-    for (int64_t j = g0; j < g1; ++j) z += s.p[j] = std::exp(s.score[j] - new_mx);
-    mix_rows<K>(x + g0, s.p.data() + g0, g1 - g0, g0 > 0, scale, d, s.acc.data());
-    mx = new_mx;
+    for (int64_t t = 0; t < n; t += w) {
+      Vec<A> mx = g0 == 0 ? splat(-inf) : P::vload(s.mx.data() + t), top = mx;
+      for (int64_t j = g0; j < g1; ++j) {
+        const Vec<A> r = splat(A(1)) / sqrt_lanes<A>(P::vload(s.sq.data() + j * L + t) / splat(dn) + splat(ep));
+        const Vec<A> score = P::vload(s.xc.data() + j * L + t) * r;
+        P::vstore(s.rstd.data() + j * L + t, r);
+        P::vstore(s.score.data() + j * L + t, score);
+        top = top < score ? score : top;
+      }
+      // rescales what earlier groups accumulated
+      const Vec<A> scale = g0 == 0 ? Vec<A>{} : exp_lanes<A>(mx - top);
+      Vec<A> z = g0 == 0 ? Vec<A>{} : P::vload(s.z.data() + t) * scale;
+      for (int64_t j = g0; j < g1; ++j) {
+        const Vec<A> p = exp_lanes<A>(P::vload(s.score.data() + j * L + t) - top);
+        P::vstore(s.p.data() + j * L + t, p);
+        z += p;
+      }
+      P::vstore(s.mx.data() + t, top), P::vstore(s.z.data() + t, z), P::vstore(s.scale.data() + t, scale);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t j = g0; j < g1; ++j) s.token[j - g0] = s.p[j * L + t];
+      mix_rows<K>(x + t * n_src + g0, s.token.data(), g1 - g0, g0 > 0, s.scale[t], d, s.acc.data() + t * d);
+    }
   }
   const int64_t last_group = (n_src - 1) / group * group;
-  for (int64_t j = 0; j < last_group; ++j) s.p[j] = std::exp(s.score[j] - mx);  // earlier groups: the final shift
-  const A inv_z = A(1) / z;
-  store_mixture<K>(out, s.acc.data(), inv_z, out_w, out_eps, d);
-  return inv_z;
+  for (int64_t t = 0; t < n; t += w) {
+    const Vec<A> top = P::vload(s.mx.data() + t);
+    for (int64_t j = 0; j < last_group; ++j)  // earlier groups: the final shift
+      P::vstore(s.p.data() + j * L + t, exp_lanes<A>(P::vload(s.score.data() + j * L + t) - top));
+    P::vstore(s.z.data() + t, splat(A(1)) / P::vload(s.z.data() + t));
+  }
+  for (int64_t t = 0; t < n; ++t) store_mixture<K>(out + t * d, s.acc.data() + t * d, s.z[t], out_w, out_eps, d);
 }
 
 template <class K>
@@ -510,17 +588,21 @@ void forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const t
                     typename K::raw* out, typename K::acc* weights, typename K::acc* rstd) {
   using A = typename K::acc;
   using R = typename K::raw;
-  const int64_t n_src = int64_t(src.size());
-  at::parallel_for(0, n_tok, grain_size(n_src, d), [&](int64_t begin, int64_t end) {
-    ForwardScratch<A> s(n_src, d);
-    std::vector<const R*> x(n_src);
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t j = 0; j < n_src; ++j) x[j] = src[j][n];
-      const A inv_z = forward_token<K>(x.data(), n_src, c, out_w, eps, out_eps, d, s, out + n * d);
-      for (int64_t j = 0; j < n_src; ++j) {
-        rstd[j * n_tok + n] = s.rstd[j];
-        weights[j * n_tok + n] = s.p[j] * inv_z;
-      }
+  constexpr int64_t L = ForwardScratch<A>::lanes;
+  const int64_t n_src = int64_t(src.size()), tile = tile_tokens(n_src, d, sizeof(R));
+  at::parallel_for(0, n_tok, std::max(grain_size(n_src, d), tile), [&](int64_t begin, int64_t end) {
+    ForwardScratch<A> s(n_src, d, tile);
+    std::vector<const R*> x(tile * n_src);
+    for (int64_t n0 = begin; n0 < end; n0 += tile) {
+      const int64_t n = std::min(tile, end - n0);
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t j = 0; j < n_src; ++j) x[t * n_src + j] = src[j][n0 + t];
+      forward_tile<K>(x.data(), n, n_src, c, out_w, eps, out_eps, d, s, out + n0 * d);
+      for (int64_t j = 0; j < n_src; ++j)
+        for (int64_t t = 0; t < n; ++t) {
+          rstd[j * n_tok + n0 + t] = s.rstd[j * L + t];
+          weights[j * n_tok + n0 + t] = s.p[j * L + t] * s.z[t];
+        }
     }
   });
 }
@@ -736,9 +818,9 @@ void stats_backward_kernel(const typename K::acc* grad_z, Rows<const typename K:
 
 // The fused inference ops of attnres/ops/bank.py, per token: the pending residual add (prefix += output, rounded to
 // the storage format as torch's add_ rounds it), at a write point the copy of the prefix into bank row nvb, then the
-// mixing. bank_aggregate mixes bank rows 0..nvb-1 and the prefix through forward_token, the one-shot forward's own
-// code, so its result is the one-shot op's over the same rows bit for bit; bank_merge merges the prefix's score into
-// phase-1 statistics (m, z, u) of the bank rows.
+// mixing. bank_aggregate mixes bank rows 0..nvb-1 and the prefix through forward_tile (a tile of one token), the
+// one-shot forward's own code, so its result is the one-shot op's over the same rows bit for bit; bank_merge merges
+// the prefix's score into phase-1 statistics (m, z, u) of the bank rows.
 template <class K>
 inline void add_row(typename K::raw* dst, const typename K::raw* src, int64_t d) {
   constexpr int64_t w = kWidth<typename K::acc>;
@@ -755,7 +837,7 @@ void bank_aggregate_kernel(Rows<typename K::raw> bank, int64_t row_stride, int64
   using R = typename K::raw;
   const int64_t n_src = nvb + 1;  // the bank rows and the prefix (which is bank row nvb at a write point)
   at::parallel_for(0, n_tok, grain_size(n_src, d), [&](int64_t begin, int64_t end) {
-    ForwardScratch<typename K::acc> s(n_src, d);
+    ForwardScratch<typename K::acc> s(n_src, d, 1);
     std::vector<const R*> x(n_src);
     for (int64_t n = begin; n < end; ++n) {
       R* const pre = prefix[n];
@@ -763,7 +845,7 @@ void bank_aggregate_kernel(Rows<typename K::raw> bank, int64_t row_stride, int64
       if (write) std::memcpy(bank[n] + nvb * row_stride, pre, d * sizeof(R));
       for (int64_t j = 0; j < nvb; ++j) x[j] = bank[n] + j * row_stride;
       x[nvb] = pre;
-      forward_token<K>(x.data(), n_src, c, out_w, eps, out_eps, d, s, out + n * d);
+      forward_tile<K>(x.data(), 1, n_src, c, out_w, eps, out_eps, d, s, out + n * d);
     }
   });
 }
