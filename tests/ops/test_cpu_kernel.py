@@ -135,6 +135,59 @@ def test_saturated_scores_pick_the_top_source(order):
     assert torch.equal(dc, torch.zeros_like(dc))
 
 
+def exact_score_case(tokens, n_src=13, d=32, scale=1.0, seed=0):
+    """Sources of entries +-2 and a query of multiples of 1/128, so that with eps = 0 every score is exact in fp32
+    (rstd 1/2, dots of multiples of 1/64 below 2^8) and the scores' remainders modulo ln 2 cover exp's reduced range
+    densely: then the kernel's weights differ from softmax in fp64 only by its exp, its sum and its division.
+    Returns (sources, c, the fp64 softmax weights [R, tokens])."""
+    gen = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (n_src, tokens, d), generator=gen).float() * 2 - 1
+    sources = list(2 * signs)
+    c = torch.randint(-768, 769, (d,), generator=gen).float() / 128 * scale
+    scores = (signs.double() @ c.double())  # = (x . c) * rstd, exactly
+    return sources, c, scores.softmax(dim=0)
+
+
+def test_fp32_weights_are_softmax_to_a_few_ulp():
+    """The fp32 forward takes exp per lane (exp_lanes, a polynomial): on exact scores spread over e^0 .. e^-150 its
+    weights are fp64's softmax to 5 units of 2^-24 where they are normal (torch's own fp32 softmax is off by up to
+    3.3 on such cases), and to one subnormal unit below (down to exact zeros where e^s underflows)."""
+    sources, c, expected = exact_score_case(53, scale=2.0)
+    _, weights, rstd = cpu.cpu_depth_attention_fwd(sources, c, None, 0.0, OUT_EPS)
+    assert torch.equal(rstd, torch.full_like(rstd, 0.5)), "the case's scores are not exact"
+    tiny = torch.finfo(torch.float32).tiny
+    assert (expected < tiny).sum() > 10 and (expected > 1e-3).sum() > 50, "the case does not span exp's range"
+    err = (weights.double() - expected).abs()
+    normal = expected >= tiny
+    assert (err[normal] / expected[normal]).max() <= 5 * 2.0**-24
+    assert err[~normal].max() <= 2.0**-149
+
+
+def test_a_token_is_computed_alone_whatever_its_tile():
+    """Tokens are taken in tiles of 16, their scalar steps as vectors across the tile: each token's output, weights,
+    rstd and gradients are still bit for bit what it gets alone (one token, as the fused bank ops run it), and a NaN
+    in one token stays in that token."""
+    sources, c, out_w, grad_out, grad_weights = make_case(7, (37,), 40, torch.float32, True, True, score_scale=3.0)
+    sources[3][20, 5] = float("nan")
+
+    def same(a, b):  # bit for bit, NaN where the other has NaN
+        return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+    out, weights, rstd = cpu.cpu_depth_attention_fwd(sources, c, out_w, EPS, OUT_EPS)
+    grads, _, _ = cpu.cpu_depth_attention_bwd(grad_out, grad_weights, sources, c, out_w, weights, rstd, EPS, OUT_EPS)
+    for t in range(37):
+        alone = [x[t : t + 1] for x in sources]
+        o, w, r = cpu.cpu_depth_attention_fwd(alone, c, out_w, EPS, OUT_EPS)
+        g, _, _ = cpu.cpu_depth_attention_bwd(
+            grad_out[t : t + 1], grad_weights[:, t : t + 1], alone, c, out_w, w, r, EPS, OUT_EPS
+        )
+        assert same(out[t : t + 1], o) and same(weights[:, t : t + 1], w) and same(rstd[:, t : t + 1], r), t
+        assert all(same(a[t : t + 1], b) for a, b in zip(grads, g)), t
+    assert out[20].isnan().all() and weights[:, 20].isnan().all()
+    finite = torch.arange(37) != 20
+    assert out[finite].isfinite().all() and weights[:, finite].isfinite().all()
+
+
 def test_non_contiguous_inputs_give_the_contiguous_result():
     sources, c, out_w, grad_out, grad_weights = make_case(4, (6,), 24, torch.bfloat16, True, True)
     # every other row of an interleave, or column-major
