@@ -6,10 +6,12 @@ and the head's on the same sources, each first in turn. On a shared, noisy machi
 ratio, which separate processes do not. The case is the Full schedule of a model (aggregation points over 1, 2, ...,
 2L + 1 sources of `[tokens, d]`), its forward and its backward (with the fused output norm), calling the kernels
 directly; the backward is the chain's (each point adding into one gradient buffer, attnres/ops/chain.py) when both
-revisions have it.
+revisions have it. With `--sources R [R ...]` it times single points over R sources instead (forward, and the
+one-shot backward), where a per-point cost shows apart from the schedule's: R = 1 is a plain fused RMSNorm.
 
     python -m benchmarks.cpu_kernel_ab --base HEAD~1                     # the working tree against its parent
     python -m benchmarks.cpu_kernel_ab --base 9b70f0a --head 4214f55 --threads 2 --out docs/cpu_kernel_ab.json
+    python -m benchmarks.cpu_kernel_ab --base HEAD~1 --sources 1 2 4 13  # single points
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=2048, help="tokens per source (default: 16 x 128)")
     p.add_argument("--dim", type=int, default=96, help="residual width d (default: the small model's 96)")
     p.add_argument("--layers", type=int, default=6, help="decoder layers L: points over 1 .. 2L + 1 sources")
+    p.add_argument("--sources", type=int, nargs="+", default=None, metavar="R",
+                   help="time single points over R sources each instead of the Full schedule")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--repeats", type=int, default=40, help="interleaved repeats (default 40)")
     p.add_argument("--out", type=Path, default=None, help="JSON record to write (default: print only)")
@@ -47,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("tokens", "dim", "layers", "threads", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: expected a positive number, got {getattr(args, name)}")
+    if args.sources is not None and min(args.sources) < 1:
+        p.error(f"--sources: expected positive numbers of sources, got {args.sources}")
     return args
 
 
@@ -99,6 +105,18 @@ def full_schedule(ops, sources, c, norm_weight, grad_out, saved, chained: bool):
     return {"forward": forward, "backward": backward}
 
 
+def single_points(ops, sources, c, norm_weight, grad_out, counts):
+    """The forward and the one-shot backward of single points over each number of sources in `counts`."""
+    cases = {}
+    for r in counts:
+        xs = sources[:r]
+        _, weights, rstd = ops.depth_attention_fwd(xs, c, norm_weight, EPS, EPS)
+        cases[f"forward R={r}"] = lambda xs=xs: ops.depth_attention_fwd(xs, c, norm_weight, EPS, EPS)
+        cases[f"backward R={r}"] = lambda xs=xs, w=weights, s=rstd: ops.depth_attention_bwd(
+            grad_out, None, xs, c, norm_weight, w, s, EPS)
+    return cases
+
+
 def has_chain(ops) -> bool:
     """Whether a revision's kernel has the chain's backward (`depth_attention_bwd_into`, from 0863e47 on)."""
     try:
@@ -115,23 +133,29 @@ def main(argv: list[str] | None = None) -> None:
         ops = {side: load_ops(f"ab_{side}", kernel_source(rev), Path(tmp)) for side, rev in
                (("base", args.base), ("head", args.head))}
     gen = torch.Generator().manual_seed(0)
-    sources = [torch.randn(args.tokens, args.dim, generator=gen) for _ in range(2 * args.layers + 1)]
+    count = max(args.sources) if args.sources else 2 * args.layers + 1
+    sources = [torch.randn(args.tokens, args.dim, generator=gen) for _ in range(count)]
     c = 0.1 * torch.randn(args.dim, generator=gen)
     norm_weight, grad_out = torch.ones(args.dim), torch.randn(args.tokens, args.dim, generator=gen)
-    saved = [ops["base"].depth_attention_fwd(sources[:r], c, norm_weight, EPS, EPS) for r in range(1, len(sources) + 1)]
-    chained = all(has_chain(o) for o in ops.values())
-    print(f"backward: {'the chain (bwd_into)' if chained else 'one point at a time (bwd)'}")
-    cases = {side: full_schedule(o, sources, c, norm_weight, grad_out, saved, chained) for side, o in ops.items()}
-    times = {(side, phase): [] for side in cases for phase in ("forward", "backward")}
+    if args.sources:
+        chained = False
+        cases = {side: single_points(o, sources, c, norm_weight, grad_out, args.sources) for side, o in ops.items()}
+    else:
+        saved = [ops["base"].depth_attention_fwd(sources[:r], c, norm_weight, EPS, EPS) for r in range(1, count + 1)]
+        chained = all(has_chain(o) for o in ops.values())
+        print(f"backward: {'the chain (bwd_into)' if chained else 'one point at a time (bwd)'}")
+        cases = {side: full_schedule(o, sources, c, norm_weight, grad_out, saved, chained) for side, o in ops.items()}
+    phases = list(cases["base"])
+    times = {(side, phase): [] for side in cases for phase in phases}
     for repeat in range(args.repeats + 2):  # two warm-up rounds
-        for phase in ("forward", "backward"):
+        for phase in phases:
             for side in ("base", "head") if repeat % 2 else ("head", "base"):  # neither always runs first
                 start = time.perf_counter()
                 cases[side][phase]()
                 if repeat >= 2:
                     times[(side, phase)].append(time.perf_counter() - start)
     results = {}
-    for phase in ("forward", "backward"):
+    for phase in phases:
         base, head = (times[(side, phase)] for side in ("base", "head"))
         results[phase] = {
             "base_ms": {"min": 1e3 * min(base), "median": 1e3 * statistics.median(base)},
@@ -139,13 +163,12 @@ def main(argv: list[str] | None = None) -> None:
             "head_over_base": {"min": min(head) / min(base), "median": statistics.median(head) / statistics.median(base)},
         }
         r = results[phase]
-        print(f"{phase:8s} base {r['base_ms']['min']:.2f} ms, head {r['head_ms']['min']:.2f} ms (min of "
+        print(f"{phase:12s} base {r['base_ms']['min']:.2f} ms, head {r['head_ms']['min']:.2f} ms (min of "
               f"{args.repeats}); head / base: min {r['head_over_base']['min']:.3f}, median "
               f"{r['head_over_base']['median']:.3f}")
     if args.out is not None:
-        points = 2 * args.layers + 1
-        write_record("benchmarks.cpu_kernel_ab", args, argv, {"points": points, "chained_backward": chained},
-                     results=results)
+        case = {"sources": args.sources} if args.sources else {"points": count, "chained_backward": chained}
+        write_record("benchmarks.cpu_kernel_ab", args, argv, case, results=results)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,29 @@ def test_sizes_must_be_positive(name):
         cpu_kernel_ab.parse_args(["--base", "HEAD", f"--{name}", "0"])
 
 
+def test_source_counts_must_be_positive():
+    with pytest.raises(SystemExit):
+        cpu_kernel_ab.parse_args(["--base", "HEAD", "--sources", "1", "0"])
+    assert cpu_kernel_ab.parse_args(["--base", "HEAD", "--sources", "1", "13"]).sources == [1, 13]
+
+
+def test_single_points_time_each_count_forward_and_backward():
+    """With the kernel loaded as `attnres_cpu`, the single-point cases run and cover every count, both ways."""
+    import torch
+
+    from attnres.ops import cpu
+
+    assert cpu.available()
+    sources = [torch.randn(8, 16) for _ in range(3)]
+    cases = cpu_kernel_ab.single_points(torch.ops.attnres_cpu, sources, torch.randn(16), torch.ones(16),
+                                        torch.randn(8, 16), [1, 3])
+    assert list(cases) == ["forward R=1", "backward R=1", "forward R=3", "backward R=3"]
+    out, weights, _ = cases["forward R=3"]()
+    assert out.shape == (8, 16) and weights.shape == (3, 8)
+    grads, _, _ = cases["backward R=1"]()
+    assert len(grads) == 1 and grads[0].shape == (8, 16)
+
+
 def test_the_working_tree_source_and_an_unknown_revision():
     assert cpu_kernel_ab.kernel_source(cpu_kernel_ab.WORKTREE) == SOURCE.read_text()
     with pytest.raises(SystemExit, match="no-such-revision"):

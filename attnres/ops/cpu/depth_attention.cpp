@@ -454,7 +454,7 @@ constexpr int64_t kHotBytes = 256 * 1024;
 
 // Tokens that the forward takes together (a tile), when their rows fit in kHotBytes: the per-source scalar steps
 // (key rstd, score, softmax) then run as vectors across the tile's tokens. One token at a time they are chains of
-// divisions, square roots and exp calls that cost more than the rows' own reads (about 2x the whole forward at d=96).
+// divisions, square roots and exp calls: the tiled forward takes 0.7x the time at d = 96 (docs/benchmarks.md).
 constexpr int64_t kTile = 16;
 
 // sqrt of each lane, correctly rounded as std::sqrt is (so a lane's result is the scalar one bit for bit).
@@ -496,13 +496,14 @@ __attribute__((noinline)) Vec<A> exp_lanes(Vec<A> x) {
     p = p * r + splat(5.0000001201e-1f);
     const Vec<float> e = p * (r * r) + r + splat(1.0f);
     const I ni = reinterpret_cast<I>(t) - reinterpret_cast<I>(shifter), n1 = ni >> 1, n2 = ni - n1;
-    const Vec<float> y = e * reinterpret_cast<Vec<float>>((n1 + 127) << 23) * reinterpret_cast<Vec<float>>((n2 + 127) << 23);
+    const Vec<float> y =
+        e * reinterpret_cast<Vec<float>>((n1 + 127) << 23) * reinterpret_cast<Vec<float>>((n2 + 127) << 23);
     return x > hi ? splat(std::numeric_limits<float>::infinity()) : y;
   }
 }
 
-// Per-thread scratch of forward_tile for tokens of n_src rows of d elements: the per-source values of a tile are kept
-// source-major, [n_src][kTile], so that each source's values for the tile's tokens fill whole registers.
+// Per-thread scratch of forward_tile for tiles of up to `tile` tokens of n_src rows of d elements: the per-source
+// values of a tile are kept source-major, [n_src][lanes], so that each source's values for the tile fill registers.
 template <class A>
 struct ForwardScratch {
   static constexpr int64_t lanes = (kTile + kWidth<A> - 1) / kWidth<A> * kWidth<A>;
