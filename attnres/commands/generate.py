@@ -27,13 +27,12 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from transformers.utils import logging as hf_logging
-
     from attnres.inference import generate_text, load_for_generation
+    from attnres.progress import transformers_progress
 
-    hf_logging.disable_progress_bar()  # no "Loading weights" bar before the text
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_for_generation(args.model, device)
+    with transformers_progress(False):  # no "Loading weights" bar before the text
+        model, tokenizer = load_for_generation(args.model, device)
     generate_text(
         model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, echo_prompt=True
     )

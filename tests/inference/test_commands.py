@@ -44,6 +44,18 @@ def test_generate_streams_greedy_bytes_from_a_saved_model(tiny_config, tmp_path,
     assert len(expected) > 5 and capsys.readouterr().out == "héllo " + expected + "\n"
 
 
+def test_generate_leaves_transformers_progress_bars_as_they_were(tiny_config, tmp_path, capsys):
+    """The loading bar is off while `attnres generate` loads (nothing before the text), and only then: a program
+    that runs the command in its own process keeps its bars."""
+    from transformers.utils import logging as hf_logging
+
+    byte_model(tiny_config).save_pretrained(tmp_path)
+    hf_logging.enable_progress_bar()
+    main(["generate", "--model", str(tmp_path), "--prompt", "a", "--max-new-tokens", "2", "--temperature", "0"])
+    assert hf_logging.is_progress_bar_enabled()
+    assert "Loading" not in capsys.readouterr().err
+
+
 def test_generate_from_a_training_run_folder(tiny_config, tmp_path, capsys):
     model = byte_model(tiny_config)
     (tmp_path / "config.json").write_text(json.dumps({"train": {"tokenizer": "bytes"}, "model": model.config.to_dict()}))
