@@ -6,8 +6,9 @@ and the head's on the same sources, each first in turn. On a shared, noisy machi
 ratio, which separate processes do not. The case is the Full schedule of a model (aggregation points over 1, 2, ...,
 2L + 1 sources of `[tokens, d]`), its forward and its backward (with the fused output norm), calling the kernels
 directly; the backward is the chain's (each point adding into one gradient buffer, attnres/ops/chain.py) when both
-revisions have it. With `--sources R [R ...]` it times single points over R sources instead (forward, and the
-one-shot backward), where a per-point cost shows apart from the schedule's: R = 1 is a plain fused RMSNorm.
+revisions have it. With `--sources R [R ...]` it times single points over R sources instead (forward, the one-shot
+backward, and the fused inference aggregation of R - 1 bank rows and a prefix), where a per-point cost shows apart
+from the schedule's: R = 1 is a plain fused RMSNorm.
 
     python -m benchmarks.cpu_kernel_ab --base HEAD~1                     # the working tree against its parent
     python -m benchmarks.cpu_kernel_ab --base 9b70f0a --head 4214f55 --threads 2 --out docs/cpu_kernel_ab.json
@@ -106,14 +107,19 @@ def full_schedule(ops, sources, c, norm_weight, grad_out, saved, chained: bool):
 
 
 def single_points(ops, sources, c, norm_weight, grad_out, counts):
-    """The forward and the one-shot backward of single points over each number of sources in `counts`."""
+    """The forward, the one-shot backward and the fused bank aggregation (`bank_aggregate`: rows 0 .. R - 2 as the
+    bank, row R - 1 as the prefix, no pending add, no write) of single points over each number of sources in
+    `counts`."""
     cases = {}
     for r in counts:
         xs = sources[:r]
         _, weights, rstd = ops.depth_attention_fwd(xs, c, norm_weight, EPS, EPS)
+        bank = torch.stack(xs[:-1], dim=1) if r > 1 else xs[0].new_empty(xs[0].shape[0], 1, xs[0].shape[1])
         cases[f"forward R={r}"] = lambda xs=xs: ops.depth_attention_fwd(xs, c, norm_weight, EPS, EPS)
         cases[f"backward R={r}"] = lambda xs=xs, w=weights, s=rstd: ops.depth_attention_bwd(
             grad_out, None, xs, c, norm_weight, w, s, EPS)
+        cases[f"bank R={r}"] = lambda b=bank, x=xs[-1], r=r: ops.bank_aggregate(
+            b, r - 1, x, None, c, norm_weight, EPS, EPS, False)
     return cases
 
 

@@ -24,7 +24,7 @@ def test_source_counts_must_be_positive():
 
 
 def test_single_points_time_each_count_forward_and_backward():
-    """With the kernel loaded as `attnres_cpu`, the single-point cases run and cover every count, both ways."""
+    """With the kernel loaded as `attnres_cpu`, the single-point cases run and cover every count, all three ways."""
     import torch
 
     from attnres.ops import cpu
@@ -33,11 +33,13 @@ def test_single_points_time_each_count_forward_and_backward():
     sources = [torch.randn(8, 16) for _ in range(3)]
     cases = cpu_kernel_ab.single_points(torch.ops.attnres_cpu, sources, torch.randn(16), torch.ones(16),
                                         torch.randn(8, 16), [1, 3])
-    assert list(cases) == ["forward R=1", "backward R=1", "forward R=3", "backward R=3"]
+    assert list(cases) == [f"{phase} R={r}" for r in (1, 3) for phase in ("forward", "backward", "bank")]
     out, weights, _ = cases["forward R=3"]()
     assert out.shape == (8, 16) and weights.shape == (3, 8)
     grads, _, _ = cases["backward R=1"]()
     assert len(grads) == 1 and grads[0].shape == (8, 16)
+    for r in (1, 3):  # the fused aggregation of the same rows is the one-shot forward, bit for bit
+        assert torch.equal(cases[f"bank R={r}"](), cases[f"forward R={r}"]()[0])
 
 
 def test_the_working_tree_source_and_an_unknown_revision():

@@ -475,7 +475,7 @@ inline Vec<A> sqrt_lanes(Vec<A> v) {
 // e^x for each lane. fp32: the usual reduction x = n ln2 + r (|r| <= ln2 / 2) and Cephes' degree-7 polynomial for
 // e^r, within about one unit in the last place of std::exp; 2^n is applied in two halves, so results down to the
 // subnormals round once and e^x below them is 0; inf above the largest float, NaN for NaN. fp64 takes std::exp per
-// lane. Never inlined, so that a tile of tokens and one token (the fused bank ops) round alike.
+// lane. Never inlined, so that every caller rounds alike.
 template <class A>
 __attribute__((noinline)) Vec<A> exp_lanes(Vec<A> x) {
   if constexpr (sizeof(A) == 8) {
@@ -532,7 +532,7 @@ inline void store_mixture(typename K::raw* out, const A* acc, A inv_z, const A* 
 // out + t * d and leaves, at [j * lanes + t], each row's key rstd in s.rstd and its weight's numerator p_j =
 // exp(score_j - largest) in s.p, and 1 / sum_j p_j in s.z[t]. Rows that do not fit in kHotBytes together (one token
 // per tile, then) are taken in groups merged by an online softmax: running max, rescaled partial sums. Never
-// inlined: the one-shot op and the fused bank ops (one token per tile) run this very code and agree bit for bit.
+// inlined: the one-shot op and the fused bank ops run this very code and agree bit for bit.
 template <class K>
 __attribute__((noinline)) void forward_tile(
     const typename K::raw* const* x, int64_t n, int64_t n_src, const typename K::acc* c,
@@ -592,7 +592,7 @@ void forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const t
   constexpr int64_t L = ForwardScratch<A>::lanes;
   const int64_t n_src = int64_t(src.size()), tile = tile_tokens(n_src, d, sizeof(R));
   at::parallel_for(0, n_tok, std::max(grain_size(n_src, d), tile), [&](int64_t begin, int64_t end) {
-    ForwardScratch<A> s(n_src, d, tile);
+    ForwardScratch<A> s(n_src, d, std::min(tile, end - begin));  // a decode step's one token: one token's scratch
     std::vector<const R*> x(tile * n_src);
     for (int64_t n0 = begin; n0 < end; n0 += tile) {
       const int64_t n = std::min(tile, end - n0);
@@ -819,9 +819,9 @@ void stats_backward_kernel(const typename K::acc* grad_z, Rows<const typename K:
 
 // The fused inference ops of attnres/ops/bank.py, per token: the pending residual add (prefix += output, rounded to
 // the storage format as torch's add_ rounds it), at a write point the copy of the prefix into bank row nvb, then the
-// mixing. bank_aggregate mixes bank rows 0..nvb-1 and the prefix through forward_tile (a tile of one token), the
-// one-shot forward's own code, so its result is the one-shot op's over the same rows bit for bit; bank_merge merges
-// the prefix's score into phase-1 statistics (m, z, u) of the bank rows.
+// mixing. bank_aggregate mixes bank rows 0..nvb-1 and the prefix through forward_tile, in tiles as the one-shot
+// forward takes them, so its result is the one-shot op's over the same rows bit for bit; bank_merge merges the
+// prefix's score into phase-1 statistics (m, z, u) of the bank rows.
 template <class K>
 inline void add_row(typename K::raw* dst, const typename K::raw* src, int64_t d) {
   constexpr int64_t w = kWidth<typename K::acc>;
@@ -837,16 +837,20 @@ void bank_aggregate_kernel(Rows<typename K::raw> bank, int64_t row_stride, int64
                            bool write, int64_t n_tok, int64_t d, typename K::raw* out) {
   using R = typename K::raw;
   const int64_t n_src = nvb + 1;  // the bank rows and the prefix (which is bank row nvb at a write point)
-  at::parallel_for(0, n_tok, grain_size(n_src, d), [&](int64_t begin, int64_t end) {
-    ForwardScratch<typename K::acc> s(n_src, d, 1);
-    std::vector<const R*> x(n_src);
-    for (int64_t n = begin; n < end; ++n) {
-      R* const pre = prefix[n];
-      if (output.data != nullptr) add_row<K>(pre, output[n], d);
-      if (write) std::memcpy(bank[n] + nvb * row_stride, pre, d * sizeof(R));
-      for (int64_t j = 0; j < nvb; ++j) x[j] = bank[n] + j * row_stride;
-      x[nvb] = pre;
-      forward_tile<K>(x.data(), 1, n_src, c, out_w, eps, out_eps, d, s, out + n * d);
+  const int64_t tile = tile_tokens(n_src, d, sizeof(R));
+  at::parallel_for(0, n_tok, std::max(grain_size(n_src, d), tile), [&](int64_t begin, int64_t end) {
+    ForwardScratch<typename K::acc> s(n_src, d, std::min(tile, end - begin));
+    std::vector<const R*> x(tile * n_src);
+    for (int64_t n0 = begin; n0 < end; n0 += tile) {
+      const int64_t n = std::min(tile, end - n0);
+      for (int64_t t = 0; t < n; ++t) {
+        R* const pre = prefix[n0 + t];
+        if (output.data != nullptr) add_row<K>(pre, output[n0 + t], d);
+        if (write) std::memcpy(bank[n0 + t] + nvb * row_stride, pre, d * sizeof(R));
+        for (int64_t j = 0; j < nvb; ++j) x[t * n_src + j] = bank[n0 + t] + j * row_stride;
+        x[t * n_src + nvb] = pre;
+      }
+      forward_tile<K>(x.data(), n, n_src, c, out_w, eps, out_eps, d, s, out + n0 * d);
     }
   });
 }
