@@ -645,8 +645,9 @@ void backward_kernel(Rows<const typename K::raw> grad_out, const typename K::acc
     A* dc_acc = dc_part.data() + at::get_thread_num() * d;
     A* dw_acc = out_w ? dw_part.data() + at::get_thread_num() * d : nullptr;
     const int64_t T = std::min(tile, end - begin);
-    // token t of a tile: its dm at dm[t * d]; source j: its weight, coefficient of c and shrink of x_j at [j * T + t]
-    std::vector<A> dm(T * d), mix(out_w ? d : 0), alpha(n_src * T), coef(n_src * T), shrink(n_src * T);
+    // token t of a tile: its dm and its dc terms at [t * d]; its source j: the weight, the coefficient of c and the
+    // shrink of x_j at [j * T + t]
+    std::vector<A> dm(T * d), dct(T * d), mix(out_w ? d : 0), alpha(n_src * T), coef(n_src * T), shrink(n_src * T);
     // one token's weights, and dots[2j] = c . x_j, dots[2j + 1] = dm . x_j
     std::vector<A> a(n_src), dots(2 * n_src);
     std::vector<Vec<A>> scratch(6 * n_src);
@@ -694,38 +695,46 @@ void backward_kernel(Rows<const typename K::raw> grad_out, const typename K::acc
           shrink[j * T + t] = cj * (dots[2 * j] * r) * r / A(d);  // ... and reaching x_j through its rstd
         }
       }
-      // dx_j = alpha_j dm + coef_j c - shrink_j x_j and dc += coef_j x_j, source by source: a block of c and of dc
-      // stays in registers while the tile's rows of x_j and dx_j stream past (blocks of kUnroll registers, then
-      // single registers, then scalars)
+      // dx_j = alpha_j dm + coef_j c - shrink_j x_j and dc += coef_j x_j, source by source over the tile's rows of x_j
+      // and dx_j, a block of c held in registers (blocks of kUnroll registers, then single ones). Each token's dc
+      // terms are summed in its row of dct, then added to dc in token order: the sums of one token at a time, bit
+      // for bit. The last d % w elements go token by token, as they did.
+      const int64_t dv = d / w * w;
+      std::fill(dct.begin(), dct.begin() + nt * d, A(0));
       for (int64_t j = 0; j < n_src; ++j) {
         const A* aj = alpha.data() + j * T;
         const A* cj = coef.data() + j * T;
         const A* sj = shrink.data() + j * T;
         auto dx_block = [&]<int64_t U>(int64_t i) {
-          Vec<A> cv[U], dcv[U] = {};
+          Vec<A> cv[U];
           for (int64_t k = 0; k < U; ++k) cv[k] = P::vload(c + i + k * w);
           for (int64_t t = 0; t < nt; ++t) {
             const R* xr = src[j][n0 + t] + i;
             R* dxr = grads[j] + (n0 + t) * d + i;
             const A* dmt = dm.data() + t * d + i;
+            A* dctt = dct.data() + t * d + i;
             const Vec<A> a = splat(aj[t]), cc = splat(cj[t]), sc = splat(sj[t]);
             for (int64_t k = 0; k < U; ++k) {
               const Vec<A> xv = K::vload(xr + k * w), g = a * P::vload(dmt + k * w) + cc * cv[k] - sc * xv;
               K::vstore(dxr + k * w, Accumulate ? K::vload(dxr + k * w) + g : g);
-              dcv[k] += cc * xv;
+              P::vstore(dctt + k * w, P::vload(dctt + k * w) + cc * xv);
             }
           }
-          for (int64_t k = 0; k < U; ++k) P::vstore(dc_acc + i + k * w, P::vload(dc_acc + i + k * w) + dcv[k]);
         };
         int64_t i = 0;
         for (; i + kUnroll * w <= d; i += kUnroll * w) dx_block.template operator()<kUnroll>(i);
         for (; i + w <= d; i += w) dx_block.template operator()<1>(i);
-        for (; i < d; ++i)
-          for (int64_t t = 0; t < nt; ++t) {
-            const A xv = K::load(src[j][n0 + t][i]), g = aj[t] * dm[t * d + i] + cj[t] * c[i] - sj[t] * xv;
+      }
+      for (int64_t t = 0; t < nt; ++t) {
+        for (int64_t i = 0; i < dv; i += w)
+          P::vstore(dc_acc + i, P::vload(dc_acc + i) + P::vload(dct.data() + t * d + i));
+        for (int64_t i = dv; i < d; ++i)
+          for (int64_t j = 0; j < n_src; ++j) {
+            const int64_t jt = j * T + t;
+            const A xv = K::load(src[j][n0 + t][i]), g = alpha[jt] * dm[t * d + i] + coef[jt] * c[i] - shrink[jt] * xv;
             R* dxr = grads[j] + (n0 + t) * d;
             dxr[i] = K::store(Accumulate ? K::load(dxr[i]) + g : g);
-            dc_acc[i] += cj[t] * xv;
+            dc_acc[i] += coef[jt] * xv;
           }
       }
     }
