@@ -615,15 +615,6 @@ void forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const t
   });
 }
 
-// Tokens per backward tile, at most (8, 16 and 32 measure within a few percent of each other at d = 96).
-constexpr int64_t kBackTile = 16;
-
-// The backward in tiles of tokens whose rows fit in kHotBytes: first token by token, each token's dm (through the
-// output norm's backward when there is one), its two dots per source row and the softmax backward's per-source
-// coefficients; then source by source, over each source's rows of the tile, the source gradients and dc, a block of
-// c and of dc held in registers across the rows. Token by token, that second pass read and wrote the R source
-// rows and R gradient rows of each token in turn: the Full schedule's chained backward takes 0.84-0.91x the time in
-// tiles (docs/benchmarks.md).
 // Accumulate: add the source gradients onto what `grads` holds (a chain of Full points, attnres/ops/chain.py) instead
 // of writing them.
 template <class K, bool Accumulate>
@@ -635,107 +626,85 @@ void backward_kernel(Rows<const typename K::raw> grad_out, const typename K::acc
   using A = typename K::acc;
   using R = typename K::raw;
   using P = Plain<A>;
-  constexpr int64_t w = kWidth<A>;
+  constexpr int64_t w = kWidth<A>, block = kUnroll * w;
   const int64_t n_src = int64_t(src.size());
-  const int64_t tile = std::clamp<int64_t>(kHotBytes / (n_src * d * int64_t(sizeof(R))), 1, kBackTile);
   // per-thread partial sums of dc and d_out_w, added up in thread order after the loop (deterministic)
   const int64_t n_threads = at::get_num_threads();
   std::vector<A> dc_part(n_threads * d, A(0)), dw_part(out_w ? n_threads * d : 0, A(0));
-  at::parallel_for(0, n_tok, std::max(grain_size(n_src, d), tile), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_tok, grain_size(n_src, d), [&](int64_t begin, int64_t end) {
     A* dc_acc = dc_part.data() + at::get_thread_num() * d;
     A* dw_acc = out_w ? dw_part.data() + at::get_thread_num() * d : nullptr;
-    const int64_t T = std::min(tile, end - begin);
-    // token t of a tile: its dm and its dc terms at [t * d]; its source j: the weight, the coefficient of c and the
-    // shrink of x_j at [j * T + t]
-    std::vector<A> dm(T * d), dct(T * d), mix(out_w ? d : 0), alpha(n_src * T), coef(n_src * T), shrink(n_src * T);
-    // one token's weights, and dots[2j] = c . x_j, dots[2j + 1] = dm . x_j
-    std::vector<A> a(n_src), dots(2 * n_src);
+    // dots[2j] = c . x_j, dots[2j + 1] = dm . x_j
+    std::vector<A> dm(d), mix(out_w ? d : 0), alpha(n_src), dots(2 * n_src), coef(n_src), shrink(n_src);
     std::vector<Vec<A>> scratch(6 * n_src);
     std::vector<const R*> x(n_src);
-    for (int64_t n0 = begin; n0 < end; n0 += T) {
-      const int64_t nt = std::min(T, end - n0);
-      for (int64_t t = 0; t < nt; ++t) {
-        const int64_t n = n0 + t;
-        A* dmt = dm.data() + t * d;
-        for (int64_t j = 0; j < n_src; ++j) x[j] = src[j][n], a[j] = alpha[j * T + t] = weights[j * n_tok + n];
-        load_row<K>(dmt, grad_out[n], d);
-        if (out_w != nullptr) {  // backward of the output norm: dm becomes the gradient reaching the mixture
-          mix_rows<K>(x.data(), a.data(), n_src, false, A(0), d, mix.data());
-          const A r = rsqrt(sum_squares(mix.data(), d) / A(d) + A(out_eps));
-          Vec<A> amv = {};
-          int64_t i = 0;
-          for (; i + w <= d; i += w) {
-            const Vec<A> dmv = P::vload(dmt + i), mv = P::vload(mix.data() + i);
-            P::vstore(dw_acc + i, P::vload(dw_acc + i) + dmv * mv * splat(r));
-            amv += dmv * P::vload(out_w + i) * mv;
-          }
-          A am = hsum<A>(amv);
-          for (; i < d; ++i) {
-            dw_acc[i] += dmt[i] * mix[i] * r;
-            am += dmt[i] * out_w[i] * mix[i];
-          }
-          const A k = r * r * r * am / A(d);
-          for (i = 0; i + w <= d; i += w) {
-            const Vec<A> scaled = splat(r) * P::vload(dmt + i) * P::vload(out_w + i);
-            P::vstore(dmt + i, scaled - splat(k) * P::vload(mix.data() + i));
-          }
-          for (; i < d; ++i) dmt[i] = r * dmt[i] * out_w[i] - k * mix[i];
-        }
-        // softmax backward: ds_j = alpha_j (g_j - sum_k alpha_k g_k), g_j = dm . x_j (+ the weights' own gradient)
-        const A* const y[2] = {c, dmt};
-        dot_rows<K>(x.data(), n_src, y, 2, d, scratch.data(), dots.data(), nullptr);
-        A delta = 0;
-        for (int64_t j = 0; j < n_src; ++j) {
-          dots[2 * j + 1] += grad_weights ? grad_weights[j * n_tok + n] : A(0);  // g_j
-          delta += a[j] * dots[2 * j + 1];
-        }
-        for (int64_t j = 0; j < n_src; ++j) {
-          const A r = rstd[j * n_tok + n], cj = a[j] * (dots[2 * j + 1] - delta) * r;  // the gradient reaching c . x_j
-          coef[j * T + t] = cj;
-          shrink[j * T + t] = cj * (dots[2 * j] * r) * r / A(d);  // ... and reaching x_j through its rstd
-        }
-      }
-      // dx_j = alpha_j dm + coef_j c - shrink_j x_j and dc += coef_j x_j, source by source over the tile's rows of x_j
-      // and dx_j, a block of c held in registers (blocks of kUnroll registers, then single ones). Each token's dc
-      // terms are summed in its row of dct, then added to dc in token order: the sums of one token at a time, bit
-      // for bit. The last d % w elements go token by token, as they did.
-      const int64_t dv = d / w * w;
-      std::fill(dct.begin(), dct.begin() + nt * d, A(0));
+    std::vector<R*> dx(n_src);
+    const A* const y[2] = {c, dm.data()};
+    for (int64_t n = begin; n < end; ++n) {
       for (int64_t j = 0; j < n_src; ++j) {
-        const A* aj = alpha.data() + j * T;
-        const A* cj = coef.data() + j * T;
-        const A* sj = shrink.data() + j * T;
-        auto dx_block = [&]<int64_t U>(int64_t i) {
-          Vec<A> cv[U];
-          for (int64_t k = 0; k < U; ++k) cv[k] = P::vload(c + i + k * w);
-          for (int64_t t = 0; t < nt; ++t) {
-            const R* xr = src[j][n0 + t] + i;
-            R* dxr = grads[j] + (n0 + t) * d + i;
-            const A* dmt = dm.data() + t * d + i;
-            A* dctt = dct.data() + t * d + i;
-            const Vec<A> a = splat(aj[t]), cc = splat(cj[t]), sc = splat(sj[t]);
-            for (int64_t k = 0; k < U; ++k) {
-              const Vec<A> xv = K::vload(xr + k * w), g = a * P::vload(dmt + k * w) + cc * cv[k] - sc * xv;
-              K::vstore(dxr + k * w, Accumulate ? K::vload(dxr + k * w) + g : g);
-              P::vstore(dctt + k * w, P::vload(dctt + k * w) + cc * xv);
-            }
-          }
-        };
-        int64_t i = 0;
-        for (; i + kUnroll * w <= d; i += kUnroll * w) dx_block.template operator()<kUnroll>(i);
-        for (; i + w <= d; i += w) dx_block.template operator()<1>(i);
+        x[j] = src[j][n], dx[j] = grads[j] + n * d;
+        alpha[j] = weights[j * n_tok + n];
       }
-      for (int64_t t = 0; t < nt; ++t) {
-        for (int64_t i = 0; i < dv; i += w)
-          P::vstore(dc_acc + i, P::vload(dc_acc + i) + P::vload(dct.data() + t * d + i));
-        for (int64_t i = dv; i < d; ++i)
-          for (int64_t j = 0; j < n_src; ++j) {
-            const int64_t jt = j * T + t;
-            const A xv = K::load(src[j][n0 + t][i]), g = alpha[jt] * dm[t * d + i] + coef[jt] * c[i] - shrink[jt] * xv;
-            R* dxr = grads[j] + (n0 + t) * d;
-            dxr[i] = K::store(Accumulate ? K::load(dxr[i]) + g : g);
-            dc_acc[i] += coef[jt] * xv;
+      load_row<K>(dm.data(), grad_out[n], d);
+      if (out_w != nullptr) {  // backward of the output norm: dm becomes the gradient reaching the mixture
+        mix_rows<K>(x.data(), alpha.data(), n_src, false, A(0), d, mix.data());
+        const A r = rsqrt(sum_squares(mix.data(), d) / A(d) + A(out_eps));
+        Vec<A> amv = {};
+        int64_t i = 0;
+        for (; i + w <= d; i += w) {
+          const Vec<A> dmv = P::vload(dm.data() + i), mv = P::vload(mix.data() + i);
+          P::vstore(dw_acc + i, P::vload(dw_acc + i) + dmv * mv * splat(r));
+          amv += dmv * P::vload(out_w + i) * mv;
+        }
+        A am = hsum<A>(amv);
+        for (; i < d; ++i) {
+          dw_acc[i] += dm[i] * mix[i] * r;
+          am += dm[i] * out_w[i] * mix[i];
+        }
+        const A k = r * r * r * am / A(d);
+        for (i = 0; i + w <= d; i += w) {
+          const Vec<A> scaled = splat(r) * P::vload(dm.data() + i) * P::vload(out_w + i);
+          P::vstore(dm.data() + i, scaled - splat(k) * P::vload(mix.data() + i));
+        }
+        for (; i < d; ++i) dm[i] = r * dm[i] * out_w[i] - k * mix[i];
+      }
+      // softmax backward: ds_j = alpha_j (g_j - sum_k alpha_k g_k), g_j = dm . x_j (+ the weights' own gradient)
+      dot_rows<K>(x.data(), n_src, y, 2, d, scratch.data(), dots.data(), nullptr);
+      A delta = 0;
+      for (int64_t j = 0; j < n_src; ++j) {
+        coef[j] = dots[2 * j + 1] + (grad_weights ? grad_weights[j * n_tok + n] : A(0));  // g_j for now
+        delta += alpha[j] * coef[j];
+      }
+      for (int64_t j = 0; j < n_src; ++j) {
+        const A r = rstd[j * n_tok + n];
+        coef[j] = alpha[j] * (coef[j] - delta) * r;     // the gradient reaching c . x_j
+        shrink[j] = coef[j] * (dots[2 * j] * r) * r / A(d);  // ... and reaching x_j through its rstd
+      }
+      // dx_j = alpha_j dm + coef_j c - shrink_j x_j and dc += coef_j x_j, one block of d at a time: the blocks of
+      // dm, c and dc stay in registers across the R rows (blocks of kUnroll registers, then single ones)
+      auto dx_block = [&]<int64_t U>(int64_t i) {
+        Vec<A> dmv[U], cv[U], dcv[U] = {};
+        for (int64_t k = 0; k < U; ++k) dmv[k] = P::vload(dm.data() + i + k * w), cv[k] = P::vload(c + i + k * w);
+        for (int64_t j = 0; j < n_src; ++j) {
+          const Vec<A> a = splat(alpha[j]), cj = splat(coef[j]), sj = splat(shrink[j]);
+          for (int64_t k = 0; k < U; ++k) {
+            const Vec<A> xv = K::vload(x[j] + i + k * w), g = a * dmv[k] + cj * cv[k] - sj * xv;
+            K::vstore(dx[j] + i + k * w, Accumulate ? K::vload(dx[j] + i + k * w) + g : g);
+            dcv[k] += cj * xv;
           }
+        }
+        for (int64_t k = 0; k < U; ++k) P::vstore(dc_acc + i + k * w, P::vload(dc_acc + i + k * w) + dcv[k]);
+      };
+      int64_t i = 0;
+      for (; i + block <= d; i += block) dx_block.template operator()<kUnroll>(i);
+      for (; i + w <= d; i += w) dx_block.template operator()<1>(i);
+      for (; i < d; ++i) {
+        for (int64_t j = 0; j < n_src; ++j) {
+          const A xv = K::load(x[j][i]);
+          const A g = alpha[j] * dm[i] + coef[j] * c[i] - shrink[j] * xv;
+          dx[j][i] = K::store(Accumulate ? K::load(dx[j][i]) + g : g);
+          dc_acc[i] += coef[j] * xv;
+        }
       }
     }
   });
