@@ -1,0 +1,32 @@
+"""benchmarks/step_ops.py: per-op profile of the small model's steps, its excess table and its record."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import step_ops
+
+
+def test_the_record_has_every_model_and_the_excess_of_block_and_full(tmp_path):
+    out = tmp_path / "step_ops.json"
+    step_ops.main(["--steps", "1", "--rounds", "1", "--warmup", "0", "--threads", "1", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["command"].startswith("python -m benchmarks.step_ops")
+    assert set(record["total_ms"]) == {"standard", "block", "full"}
+    assert all(ms > 0 for ms in record["total_ms"].values())
+    assert set(record["excess_ms"]) == {"block", "full"}
+    # the depth-attention kernels run in every model (the standard one's fused norms); AttnRes's points cost more
+    kernel = "attnres_cpu::depth_attention_fwd"
+    for kind in ("block", "full"):
+        assert record["per_op"][kind][kernel]["calls"] >= record["per_op"]["standard"][kernel]["calls"]
+        assert record["excess_ms"][kind][kernel] == pytest.approx(
+            record["per_op"][kind][kernel]["ms"] - record["per_op"]["standard"][kernel]["ms"])
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--rounds", "--top"])
+def test_counts_must_be_positive(flag, capsys):
+    with pytest.raises(SystemExit):
+        step_ops.main([flag, "0"])
+    assert flag in capsys.readouterr().err
