@@ -9,6 +9,7 @@ read, one gradient per source written).
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -33,16 +34,34 @@ PEER = "fla naive_attnres (compiled)"
 
 @dataclass
 class CaseResult:
-    """Median seconds of each implementation of one case; `nbytes` is the bytes model (None: not memory-bound)."""
+    """Median seconds of each implementation of one case; `nbytes` is the bytes model (None: not memory-bound);
+    `rounds`, when kept, each implementation's seconds round by round (`timing.round_times`)."""
 
     name: str
     reference: str
     seconds: dict[str, float]
     nbytes: int | None = None
     notes: list[str] = field(default_factory=list)
+    rounds: dict[str, list[float]] | None = None
+
+    @classmethod
+    def from_rounds(cls, name: str, reference: str, rounds: dict[str, list[float]]) -> CaseResult:
+        return cls(name, reference, {impl: statistics.median(t) for impl, t in rounds.items()}, rounds=rounds)
 
     def ratios(self) -> dict[str, float]:
         return {impl: s / self.seconds[self.reference] for impl, s in self.seconds.items()}
+
+    def round_ratios(self) -> dict[str, dict[str, float]] | None:
+        """Per implementation, the least, median and largest of its time over the reference's within a round: the
+        calls of a round run back to back, so a change of the machine's load between rounds leaves these alone."""
+        if self.rounds is None:
+            return None
+        ref = self.rounds[self.reference]
+        spread = {}
+        for impl, times in self.rounds.items():
+            per_round = [t / r for t, r in zip(times, ref)]
+            spread[impl] = {"min": min(per_round), "median": statistics.median(per_round), "max": max(per_round)}
+        return spread
 
 
 class CompiledPeer:

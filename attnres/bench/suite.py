@@ -10,7 +10,7 @@ import torch
 from attnres.bench import models
 from attnres.bench.cases import CaseResult, CompiledPeer, bank_case, operator_cases, stream_cases
 from attnres.bench.config import SuiteConfig
-from attnres.bench.timing import copy_bandwidth, median_times
+from attnres.bench.timing import copy_bandwidth, round_times
 
 
 @dataclass
@@ -27,6 +27,8 @@ class SuiteResult:
         for case in self.cases:
             row = {"name": case.name, "reference": case.reference, "ms": {k: s * 1e3 for k, s in case.seconds.items()},
                    "ratio": case.ratios(), "bytes": case.nbytes}
+            if case.rounds is not None:
+                row["round_ratio"] = case.round_ratios()
             if case.nbytes is not None:
                 gbps = {k: case.nbytes / s / 1e9 for k, s in case.seconds.items()}
                 row["GB/s"] = gbps
@@ -50,19 +52,19 @@ def model_cases(cfg: SuiteConfig) -> list[CaseResult]:
     if "train" in cfg.groups:
         ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.model_tokens), generator=gen)
         steps = {kind: models.training_step(m, ids) for kind, m in built.items()}
-        results.append(CaseResult(f"train step {size} T={cfg.model_tokens} batch={cfg.batch}", "standard",
-                                  median_times(steps, cfg.repeats, cfg.warmup)))
+        results.append(CaseResult.from_rounds(f"train step {size} T={cfg.model_tokens} batch={cfg.batch}", "standard",
+                                              round_times(steps, cfg.repeats, cfg.warmup)))
     if "prefill" in cfg.groups:
         ids = torch.randint(0, cfg.vocab, (1, cfg.model_tokens), generator=gen)
         fns = {kind: models.prefill(m, ids) for kind, m in built.items()}
-        results.append(CaseResult(f"prefill {size} T={cfg.model_tokens}", "standard",
-                                  median_times(fns, cfg.repeats, cfg.warmup)))
+        results.append(CaseResult.from_rounds(f"prefill {size} T={cfg.model_tokens}", "standard",
+                                              round_times(fns, cfg.repeats, cfg.warmup)))
     if "decode" in cfg.groups:
         context = torch.randint(0, cfg.vocab, (1, cfg.context), generator=gen)
         tokens = torch.randint(0, cfg.vocab, (1, 1), generator=gen)
         fns = {kind: models.decode_step(m, context, tokens) for kind, m in built.items()}
-        results.append(CaseResult(f"decode {size} context={cfg.context}", "standard",
-                                  median_times(fns, cfg.decode_repeats, max(cfg.warmup, 2))))
+        results.append(CaseResult.from_rounds(f"decode {size} context={cfg.context}", "standard",
+                                              round_times(fns, cfg.decode_repeats, max(cfg.warmup, 2))))
     return results
 
 
@@ -77,7 +79,7 @@ def small_model_case(cfg: SuiteConfig) -> CaseResult:
     ids = torch.randint(0, 256, (cfg.small_batch, cfg.small_tokens), generator=torch.Generator().manual_seed(cfg.seed))
     steps = {kind: models.training_step(m, ids) for kind, m in built.items()}
     name = f"small train step d={cfg.small_dim} L={cfg.small_layers} {cfg.small_batch}x{cfg.small_tokens}"
-    return CaseResult(name, "standard", median_times(steps, cfg.small_repeats, max(cfg.warmup, 2)))
+    return CaseResult.from_rounds(name, "standard", round_times(steps, cfg.small_repeats, max(cfg.warmup, 2)))
 
 
 def run_suite(cfg: SuiteConfig, log=print) -> SuiteResult:
@@ -93,6 +95,11 @@ def run_suite(cfg: SuiteConfig, log=print) -> SuiteResult:
         for case in new:
             cases.append(case)
             log(f"  {case.name}: " + ", ".join(f"{k} {s * 1e3:.2f} ms" for k, s in case.seconds.items()))
+            spread = case.round_ratios()
+            if spread is not None:
+                log("    per round, time / reference's: " + ", ".join(
+                    f"{k} {r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})" for k, r in spread.items()
+                    if k != case.reference))
 
     for dtype in cfg.dtypes:
         if "operator" in cfg.groups:

@@ -17,10 +17,11 @@ def _sync(device: torch.device | str) -> Callable[[], None]:
     return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
 
-def median_times(
+def round_times(
     fns: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1, device: torch.device | str = "cpu"
-) -> dict[str, float]:
-    """Median seconds of each function over `repeats` rounds, after `warmup` untimed calls of each."""
+) -> dict[str, list[float]]:
+    """Seconds of each function in each of `repeats` rounds (one call of each per round, in order), after `warmup`
+    untimed calls of each."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     sync = _sync(device)
@@ -35,7 +36,14 @@ def median_times(
             fn()
             sync()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def median_times(
+    fns: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1, device: torch.device | str = "cpu"
+) -> dict[str, float]:
+    """Median seconds of each function over `repeats` rounds, after `warmup` untimed calls of each."""
+    return {name: statistics.median(t) for name, t in round_times(fns, repeats, warmup, device).items()}
 
 
 def median_seconds(

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from attnres import cli
-from attnres.bench.cases import CompiledPeer
+from attnres.bench.cases import CaseResult, CompiledPeer
 from attnres.bench.config import SuiteConfig
-from attnres.bench.timing import copy_bandwidth, median_times
+from attnres.bench.timing import copy_bandwidth, median_times, round_times
 
 CASE_PREFIXES = ("operator fwd ", "operator fwd+bwd ", "residual stream fwd+bwd ", "residual stream inference ",
                  "fused inference aggregation ", "train step ", "prefill ", "decode ", "small train step ")
@@ -46,6 +46,26 @@ def test_json_has_every_case_with_positive_times_and_ratios(quick_run):
         else:
             assert set(case["ms"]) == {"standard", "block", "full"}
     assert any("--no-compile" in note for note in result["notes"])
+
+
+def test_model_rows_give_the_spread_of_the_per_round_ratio(quick_run):
+    result = json.loads((quick_run / "bench.json").read_text())
+    for case in result["cases"]:
+        if not case["name"].startswith(("train", "prefill", "decode", "small")):
+            assert "round_ratio" not in case, case
+            continue
+        spread = case["round_ratio"]
+        assert set(spread) == set(case["ms"])
+        assert spread[case["reference"]] == {"min": 1.0, "median": 1.0, "max": 1.0}
+        assert all(0 < r["min"] <= r["median"] <= r["max"] for r in spread.values()), spread
+
+
+def test_round_ratios_pair_each_round_with_the_reference_of_that_round():
+    case = CaseResult.from_rounds("x", "ref", {"ref": [1.0, 2.0, 4.0], "a": [1.5, 2.0, 2.0]})
+    assert case.seconds == {"ref": 2.0, "a": 2.0}
+    assert case.ratios()["a"] == 1.0  # the ratio of medians
+    assert case.round_ratios()["a"] == {"min": 0.5, "median": 1.0, "max": 1.5}  # 1.5, 1.0 and 0.5 round by round
+    assert CaseResult("y", "ref", {"ref": 1.0}).round_ratios() is None
 
 
 def test_operator_rows_name_the_backend_and_twin(quick_run):
@@ -101,6 +121,8 @@ def test_median_times_runs_round_robin_and_validates():
     times = median_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1)
     assert calls == ["a", "b"] + ["a", "b"] * 3
     assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+    rounds = round_times({"a": lambda: None, "b": lambda: None}, repeats=4, warmup=0)
+    assert {k: len(v) for k, v in rounds.items()} == {"a": 4, "b": 4}
     with pytest.raises(ValueError, match="repeats"):
         median_times({"a": lambda: None}, repeats=0)
     assert copy_bandwidth(2**20, repeats=1) > 0
