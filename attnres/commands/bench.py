@@ -25,8 +25,9 @@ def register(sub) -> None:
         "stream as "
         "the models run it (two-phase group: standard against Block one-shot and two-phase); the training step, "
         "prefill and decode of Block and Full AttnRes against the standard model; the training step of the small "
-        "model of `attnres compare` (small group). The models' plain RMSNorms get the fastest plain norm, the "
-        "standard baseline's included, unless --family-norms.",
+        "model of `attnres compare` (small group); the model cases, whose steps alternate round by round, also "
+        "give the spread of each model's time over the standard model's within a round. The models' plain "
+        "RMSNorms get the fastest plain norm, the standard baseline's included, unless --family-norms.",
     )
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every case in seconds")
     p.add_argument("--out", type=Path, default=Path("runs/bench"),
