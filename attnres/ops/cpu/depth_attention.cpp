@@ -507,11 +507,12 @@ __attribute__((noinline)) Vec<A> exp_lanes(Vec<A> x) {
 template <class A>
 struct ForwardScratch {
   static constexpr int64_t lanes = (kTile + kWidth<A> - 1) / kWidth<A> * kWidth<A>;
-  std::vector<A> acc, xc, sq, score, rstd, p, mx, z, scale, token;
+  std::vector<A> acc, xc, sq, score, rstd, p, mx, z, scale, out_sq, factor, token;
   std::vector<Vec<A>> dots;
   ForwardScratch(int64_t n_src, int64_t d, int64_t tile)
       : acc(tile * d), xc(n_src * lanes), sq(n_src * lanes), score(n_src * lanes), rstd(n_src * lanes),
-        p(n_src * lanes), mx(lanes), z(lanes), scale(lanes), token(2 * n_src), dots(4 * n_src) {}
+        p(n_src * lanes), mx(lanes), z(lanes), scale(lanes), out_sq(lanes), factor(lanes), token(2 * n_src),
+        dots(4 * n_src) {}
 };
 
 // Tokens per tile for rows of n_src x d elements of `bytes` each: as many as keep their rows within kHotBytes, at
@@ -520,7 +521,8 @@ inline int64_t tile_tokens(int64_t n_src, int64_t d, int64_t bytes) {
   return std::clamp<int64_t>(kHotBytes / (n_src * d * bytes), 1, kTile);
 }
 
-// out = inv_z * acc, through the output norm (o * RMSNorm) when its gain out_w is given, in the storage format.
+// out = inv_z * acc, through the output norm (o * RMSNorm) when its gain out_w is given, in the storage format: one
+// token (bank_merge); forward_tile takes the same factor as vectors across its tile.
 template <class K, class A = typename K::acc>
 inline void store_mixture(typename K::raw* out, const A* acc, A inv_z, const A* out_w, double out_eps, int64_t d) {
   A factor = inv_z;
@@ -580,14 +582,17 @@ __attribute__((noinline)) void forward_tile(
       P::vstore(s.p.data() + j * L + t, exp_lanes<A>(P::vload(s.score.data() + j * L + t) - top));
     P::vstore(s.z.data() + t, splat(A(1)) / P::vload(s.z.data() + t));
   }
-  // each token's factor 1 / z, times the output norm's rstd as vectors across the tile when there is one
-  for (int64_t t = 0; t < n; ++t) s.mx[t] = out_w != nullptr ? sum_squares(s.acc.data() + t * d, d) : A(0);
+  // each token's factor 1 / z, times the output norm's rstd when there is one: store_mixture's factor, with its
+  // square root and divisions as vectors across the tile
+  if (out_w != nullptr)
+    for (int64_t t = 0; t < n; ++t) s.out_sq[t] = sum_squares(s.acc.data() + t * d, d);
   for (int64_t t = 0; t < n; t += w) {
-    const Vec<A> z = P::vload(s.z.data() + t);
-    const Vec<A> r = splat(A(1)) / sqrt_lanes<A>(P::vload(s.mx.data() + t) * z * z / splat(dn) + splat(A(out_eps)));
-    P::vstore(s.scale.data() + t, out_w != nullptr ? z * r : z);
+    Vec<A> f = P::vload(s.z.data() + t);
+    if (out_w != nullptr)
+      f = f * (splat(A(1)) / sqrt_lanes<A>(P::vload(s.out_sq.data() + t) * f * f / splat(dn) + splat(A(out_eps))));
+    P::vstore(s.factor.data() + t, f);
   }
-  for (int64_t t = 0; t < n; ++t) store_row<K>(out + t * d, s.acc.data() + t * d, s.scale[t], out_w, d);
+  for (int64_t t = 0; t < n; ++t) store_row<K>(out + t * d, s.acc.data() + t * d, s.factor[t], out_w, d);
 }
 
 template <class K>
