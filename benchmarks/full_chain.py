@@ -54,10 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if FULL_CHAIN_ENV in os.environ:
         raise SystemExit(f"{FULL_CHAIN_ENV} is set: this benchmark sets it itself, per step")
-    built = models.build_models(dim=96, layers=6, heads=4, vocab=256, block_size=2, max_tokens=128,
-                                kinds=("standard", "full"))
-    for model in built.values():
-        models.fast_norms(model)
+    built = models.build_small_models(kinds=("standard", "full"))
     rounds = []
     for r in range(args.rounds):
         results = {}

@@ -57,9 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    built = models.build_models(dim=96, layers=6, heads=4, vocab=256, block_size=2, max_tokens=128)
-    for model in built.values():
-        models.fast_norms(model)
+    built = models.build_small_models()
     ids = torch.randint(0, 256, (16, 128), generator=torch.Generator().manual_seed(0))
     steps = {kind: models.training_step(model, ids) for kind, model in built.items()}
     for step in steps.values():

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnres.bench.config import SuiteConfig
 from attnres.layers.depth_attention import RMSNorm
 from attnres.layers.kinds import BLOCK, FULL, RESIDUAL_KINDS, STANDARD
 from attnres.models import AttnResConfig, AttnResForCausalLM
@@ -52,6 +53,20 @@ def build_models(
                 if name.endswith("_res_proj.weight"):
                     p.normal_(0.0, 0.3)
     return models
+
+
+def build_small_models(
+    *, dim: int = SuiteConfig.small_dim, layers: int = SuiteConfig.small_layers,
+    tokens: int = SuiteConfig.small_tokens, seed: int = 0, kinds: tuple[str, ...] = KINDS, family_norms: bool = False,
+) -> dict[str, AttnResForCausalLM]:
+    """`attnres compare`'s model (vocabulary 256, 4 heads, block size 2; by default d = 96, 6 layers, 128 tokens) as
+    `build_models` makes it, every plain norm the fastest there is (`fast_norms`) unless `family_norms`."""
+    built = build_models(dim=dim, layers=layers, heads=4, vocab=256, block_size=2, max_tokens=tokens, seed=seed,
+                         kinds=kinds)
+    if not family_norms:
+        for model in built.values():
+            fast_norms(model)
+    return built
 
 
 def _fast_rms_norm(module: nn.Module, eps: float, x: torch.Tensor) -> torch.Tensor:

@@ -71,11 +71,8 @@ def model_cases(cfg: SuiteConfig) -> list[CaseResult]:
 def small_model_case(cfg: SuiteConfig) -> CaseResult:
     """Training steps of `attnres compare`'s model (vocabulary 256, 4 heads, block size 2) where per-point overheads
     weigh most: Block and Full against standard, round-robin; tokens/s is batch * tokens over the step time."""
-    built = models.build_models(dim=cfg.small_dim, layers=cfg.small_layers, heads=4, vocab=256, block_size=2,
-                                max_tokens=cfg.small_tokens, seed=cfg.seed)
-    if not cfg.family_norms:
-        for model in built.values():
-            models.fast_norms(model)
+    built = models.build_small_models(dim=cfg.small_dim, layers=cfg.small_layers, tokens=cfg.small_tokens,
+                                      seed=cfg.seed, family_norms=cfg.family_norms)
     ids = torch.randint(0, 256, (cfg.small_batch, cfg.small_tokens), generator=torch.Generator().manual_seed(cfg.seed))
     steps = {kind: models.training_step(m, ids) for kind, m in built.items()}
     name = f"small train step d={cfg.small_dim} L={cfg.small_layers} {cfg.small_batch}x{cfg.small_tokens}"
