@@ -650,6 +650,14 @@ void backward_kernel(Rows<const typename K::raw> grad_out, const typename K::acc
         x[j] = src[j][n], dx[j] = grads[j] + n * d;
         alpha[j] = weights[j * n_tok + n];
       }
+      if constexpr (Accumulate) {
+        // the gradient sums are first touched by the last pass: asked for (to write) now, their loads overlap the
+        // passes before it. Measured in cpu_kernel_ab: the chain's backward 0.85-0.94x; asking for the next
+        // token's instead, or for fresh buffers (not Accumulate), was slower.
+        constexpr int64_t line = 64 / sizeof(R);
+        for (int64_t j = 0; j < n_src; ++j)
+          for (int64_t i = 0; i < d; i += line) __builtin_prefetch(dx[j] + i, 1, 3);
+      }
       load_row<K>(dm.data(), grad_out[n], d);
       if (out_w != nullptr) {  // backward of the output norm: dm becomes the gradient reaching the mixture
         mix_rows<K>(x.data(), alpha.data(), n_src, false, A(0), d, mix.data());
