@@ -8,11 +8,14 @@ ratio, which separate processes do not. The case is the Full schedule of a model
 directly; the backward is the chain's (each point adding into one gradient buffer, attnres/ops/chain.py) when both
 revisions have it. With `--sources R [R ...]` it times single points over R sources instead (forward, the one-shot
 backward, and the fused inference aggregation of R - 1 bank rows and a prefix), where a per-point cost shows apart
-from the schedule's: R = 1 is a plain fused RMSNorm.
+from the schedule's: R = 1 is a plain fused RMSNorm. With `--cold` the caches are flushed (a buffer larger than the
+last-level cache written) before every point, as in a model, where a sublayer runs between two points and its sources
+were written long before: then a kernel's misses show, which in a loop of points over the same sources stay hidden.
 
     python -m benchmarks.cpu_kernel_ab --base HEAD~1                     # the working tree against its parent
     python -m benchmarks.cpu_kernel_ab --base 9b70f0a --head 4214f55 --threads 2 --out docs/cpu_kernel_ab.json
     python -m benchmarks.cpu_kernel_ab --base HEAD~1 --sources 1 2 4 13  # single points
+    python -m benchmarks.cpu_kernel_ab --base HEAD~1 --cold               # each point with cold caches
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,6 +36,7 @@ from benchmarks.gloo_ranks import write_record
 ROOT = Path(__file__).resolve().parents[1]
 WORKTREE = "worktree"
 EPS = 1e-6
+COLD_MIB = 128  # written before each point with --cold: several times any last-level cache of a 2-core machine
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=6, help="decoder layers L: points over 1 .. 2L + 1 sources")
     p.add_argument("--sources", type=int, nargs="+", default=None, metavar="R",
                    help="time single points over R sources each instead of the Full schedule")
+    p.add_argument("--cold", action="store_true",
+                   help=f"flush the caches ({COLD_MIB} MiB written) before every point; only the points are timed")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--repeats", type=int, default=40, help="interleaved repeats (default 40)")
     p.add_argument("--out", type=Path, default=None, help="JSON record to write (default: print only)")
@@ -85,24 +92,19 @@ def load_ops(name: str, source: str, folder: Path):
 
 
 def full_schedule(ops, sources, c, norm_weight, grad_out, saved, chained: bool):
-    """The forward and the backward of every point of the Full schedule, as two callables. With `chained`, the
-    backward is the chain's (attnres/ops/chain.py): the points from the last to the first, each adding its source
+    """The forward and the backward of the Full schedule, each a list of its points' calls in order. With `chained`,
+    the backward is the chain's (attnres/ops/chain.py): the points from the last to the first, each adding its source
     gradients into one buffer (the last point writes it)."""
-    into = torch.empty(len(sources), *sources[0].shape) if chained else None
-
-    def forward():
-        for r in range(1, len(sources) + 1):
-            ops.depth_attention_fwd(sources[:r], c, norm_weight, EPS, EPS)
-
-    def backward():
-        if chained:
-            for r, (_, weights, rstd) in reversed(list(enumerate(saved, start=1))):
-                ops.depth_attention_bwd_into(grad_out, None, sources[:r], c, norm_weight, weights, rstd, EPS,
-                                             into[:r], r < len(sources))
-        else:
-            for r, (_, weights, rstd) in enumerate(saved, start=1):
-                ops.depth_attention_bwd(grad_out, None, sources[:r], c, norm_weight, weights, rstd, EPS)
-
+    into = sources[0].new_empty(len(sources), *sources[0].shape) if chained else None
+    forward = [partial(ops.depth_attention_fwd, sources[:r], c, norm_weight, EPS, EPS)
+               for r in range(1, len(sources) + 1)]
+    if chained:
+        backward = [partial(ops.depth_attention_bwd_into, grad_out, None, sources[:r], c, norm_weight, weights, rstd,
+                            EPS, into[:r], r < len(sources))
+                    for r, (_, weights, rstd) in reversed(list(enumerate(saved, start=1)))]
+    else:
+        backward = [partial(ops.depth_attention_bwd, grad_out, None, sources[:r], c, norm_weight, weights, rstd, EPS)
+                    for r, (_, weights, rstd) in enumerate(saved, start=1)]
     return {"forward": forward, "backward": backward}
 
 
@@ -115,11 +117,11 @@ def single_points(ops, sources, c, norm_weight, grad_out, counts):
         xs = sources[:r]
         _, weights, rstd = ops.depth_attention_fwd(xs, c, norm_weight, EPS, EPS)
         bank = torch.stack(xs[:-1], dim=1) if r > 1 else xs[0].new_empty(xs[0].shape[0], 1, xs[0].shape[1])
-        cases[f"forward R={r}"] = lambda xs=xs: ops.depth_attention_fwd(xs, c, norm_weight, EPS, EPS)
-        cases[f"backward R={r}"] = lambda xs=xs, w=weights, s=rstd: ops.depth_attention_bwd(
-            grad_out, None, xs, c, norm_weight, w, s, EPS)
-        cases[f"bank R={r}"] = lambda b=bank, x=xs[-1], r=r: ops.bank_aggregate(
-            b, r - 1, x, None, c, norm_weight, EPS, EPS, False)
+        cases[f"forward R={r}"] = [partial(ops.depth_attention_fwd, xs, c, norm_weight, EPS, EPS)]
+        cases[f"backward R={r}"] = [partial(ops.depth_attention_bwd, grad_out, None, xs, c, norm_weight, weights,
+                                            rstd, EPS)]
+        cases[f"bank R={r}"] = [partial(ops.bank_aggregate, bank, r - 1, xs[-1], None, c, norm_weight, EPS, EPS,
+                                        False)]
     return cases
 
 
@@ -153,13 +155,19 @@ def main(argv: list[str] | None = None) -> None:
         cases = {side: full_schedule(o, sources, c, norm_weight, grad_out, saved, chained) for side, o in ops.items()}
     phases = list(cases["base"])
     times = {(side, phase): [] for side in cases for phase in phases}
+    flush = torch.empty(COLD_MIB * 2**20 // 4) if args.cold else None
     for repeat in range(args.repeats + 2):  # two warm-up rounds
         for phase in phases:
             for side in ("base", "head") if repeat % 2 else ("head", "base"):  # neither always runs first
-                start = time.perf_counter()
-                cases[side][phase]()
+                seconds = 0.0
+                for call in cases[side][phase]:
+                    if flush is not None:
+                        flush.fill_(repeat)
+                    start = time.perf_counter()
+                    call()
+                    seconds += time.perf_counter() - start
                 if repeat >= 2:
-                    times[(side, phase)].append(time.perf_counter() - start)
+                    times[(side, phase)].append(seconds)
     results = {}
     for phase in phases:
         base, head = (times[(side, phase)] for side in ("base", "head"))
@@ -174,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['head_over_base']['median']:.3f}")
     if args.out is not None:
         case = {"sources": args.sources} if args.sources else {"points": count, "chained_backward": chained}
+        case["cold"] = args.cold
         write_record("benchmarks.cpu_kernel_ab", args, argv, case, results=results)
 
 

@@ -34,12 +34,37 @@ def test_single_points_time_each_count_forward_and_backward():
     cases = cpu_kernel_ab.single_points(torch.ops.attnres_cpu, sources, torch.randn(16), torch.ones(16),
                                         torch.randn(8, 16), [1, 3])
     assert list(cases) == [f"{phase} R={r}" for r in (1, 3) for phase in ("forward", "backward", "bank")]
-    out, weights, _ = cases["forward R=3"]()
+    assert all(len(calls) == 1 for calls in cases.values())
+    out, weights, _ = cases["forward R=3"][0]()
     assert out.shape == (8, 16) and weights.shape == (3, 8)
-    grads, _, _ = cases["backward R=1"]()
+    grads, _, _ = cases["backward R=1"][0]()
     assert len(grads) == 1 and grads[0].shape == (8, 16)
     for r in (1, 3):  # the fused aggregation of the same rows is the one-shot forward, bit for bit
-        assert torch.equal(cases[f"bank R={r}"](), cases[f"forward R={r}"]()[0])
+        assert torch.equal(cases[f"bank R={r}"][0](), cases[f"forward R={r}"][0]()[0])
+
+
+def test_full_schedule_points_in_order_and_the_chain_sums_every_points_gradients():
+    """The schedule's calls are its points (forward over 1 .. R sources); run in order, the chain's backward leaves in
+    its buffer each source's gradient summed over every point, as the one-shot backwards give it."""
+    import torch
+
+    from attnres.ops import cpu
+
+    assert cpu.available()
+    ops = torch.ops.attnres_cpu
+    sources = [torch.randn(8, 16, dtype=torch.float64) for _ in range(4)]
+    c, w, grad_out = torch.randn(16, dtype=torch.float64), torch.ones(16, dtype=torch.float64), torch.randn(
+        8, 16, dtype=torch.float64)
+    saved = [ops.depth_attention_fwd(sources[:r], c, w, 1e-6, 1e-6) for r in range(1, 5)]
+    chain = cpu_kernel_ab.full_schedule(ops, sources, c, w, grad_out, saved, chained=True)
+    one_shot = cpu_kernel_ab.full_schedule(ops, sources, c, w, grad_out, saved, chained=False)
+    assert [call()[0].shape[0] for call in chain["forward"]] == [8] * 4
+    for call in chain["backward"]:
+        call()
+    into = chain["backward"][0].args[8]  # the buffer the last point writes and every other point adds into
+    expected = [sum(call()[0][j] for call in one_shot["backward"][j:]) for j in range(4)]
+    for j in range(4):
+        torch.testing.assert_close(into[j], expected[j])
 
 
 def test_the_working_tree_source_and_an_unknown_revision():
