@@ -5,15 +5,20 @@ fused kernel): the standard model and Block and Full, each profiled over `--step
 `--rounds` times, with torch.profiler. Per op name, the self CPU time per step (averaged over the rounds) of each
 model; printed sorted by how much more Block (or Full) spends than the standard model. The ops that both models run
 on the same shapes (the matmuls, attention) should cost the same; how far they differ is the spread of the machine,
-against which the AttnRes ops' own excess reads. Writes the table as JSON to `--out`.
+against which the AttnRes ops' own excess reads. Each round also times `--steps` unprofiled steps of each model, back
+in turn: their median is the wall time per step, which counts the Python around the ops as well. With `--batch 1
+--tokens 4` the ops have almost nothing to compute, and what remains is each step's fixed cost (Python, dispatch,
+autograd, the optimizer's loop over parameters), which a step of any size pays. Writes the table as JSON to `--out`.
 
     python -m benchmarks.step_ops
     python -m benchmarks.step_ops --rounds 6 --steps 3 --out docs/step_ops.json
+    python -m benchmarks.step_ops --batch 1 --tokens 4 --rounds 6 --steps 20   # the fixed cost of a step
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -21,19 +26,24 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from attnres.bench import models
+from attnres.bench.config import SuiteConfig
+from attnres.bench.timing import round_times
 from benchmarks.gloo_ranks import write_record
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=3, help="profiled steps per model and round (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=3,
+                   help="profiled steps, then timed steps, per model and round (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=4, help="rounds, each profiling every model (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="unprofiled steps per model first (default: %(default)s)")
     p.add_argument("--top", type=int, default=12, help="ops printed per model, by excess (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own count)")
     p.add_argument("--out", type=Path, default=None, help="JSON record to write (default: print only)")
     args = p.parse_args(argv)
-    for name in ("steps", "rounds", "top"):
+    for name in ("batch", "tokens", "steps", "rounds", "top"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: expected a positive number, got {getattr(args, name)}")
     if args.warmup < 0:
@@ -57,22 +67,27 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    built = models.build_small_models()
-    ids = torch.randint(0, 256, (16, 128), generator=torch.Generator().manual_seed(0))
+    built = models.build_small_models(tokens=max(args.tokens, SuiteConfig.small_tokens))
+    ids = torch.randint(0, 256, (args.batch, args.tokens), generator=torch.Generator().manual_seed(0))
     steps = {kind: models.training_step(model, ids) for kind, model in built.items()}
     for step in steps.values():
         for _ in range(args.warmup):
             step()
     ms = {kind: Counter() for kind in steps}
     calls = {kind: Counter() for kind in steps}
+    wall = {kind: [] for kind in steps}
     for _ in range(args.rounds):
         for kind, step in steps.items():
             round_ms, round_calls = profile_ms(step, args.steps)
             for name in round_ms:
                 ms[kind][name] += round_ms[name] / args.rounds
                 calls[kind][name] += round_calls[name] / args.rounds
+        for kind, times in round_times(steps, args.steps, warmup=0).items():  # one step of each model in turn
+            wall[kind] += times
+    wall_ms = {kind: 1e3 * statistics.median(times) for kind, times in wall.items()}
     base = ms["standard"]
     print("self CPU ms per step: " + ", ".join(f"{kind} {sum(m.values()):.1f}" for kind, m in ms.items()))
+    print("wall ms per step (unprofiled, median): " + ", ".join(f"{kind} {t:.2f}" for kind, t in wall_ms.items()))
     excess = {}
     for kind in list(steps)[1:]:
         names = sorted(set(base) | set(ms[kind]), key=lambda n: base[n] - ms[kind][n])
@@ -84,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out is not None:
         per_op = {kind: {n: {"ms": ms[kind][n], "calls": calls[kind][n]} for n in ms[kind]} for kind in ms}
         write_record("benchmarks.step_ops", args, argv, {"threads": torch.get_num_threads()},
-                     total_ms={kind: sum(m.values()) for kind, m in ms.items()}, excess_ms=excess, per_op=per_op)
+                     total_ms={kind: sum(m.values()) for kind, m in ms.items()}, wall_ms=wall_ms, excess_ms=excess,
+                     per_op=per_op)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,14 @@ from benchmarks import step_ops
 
 def test_the_record_has_every_model_and_the_excess_of_block_and_full(tmp_path):
     out = tmp_path / "step_ops.json"
-    step_ops.main(["--steps", "1", "--rounds", "1", "--warmup", "0", "--threads", "1", "--out", str(out)])
+    step_ops.main(["--steps", "2", "--rounds", "1", "--warmup", "0", "--threads", "1", "--batch", "2", "--tokens",
+                   "8", "--out", str(out)])
     record = json.loads(out.read_text())
     assert record["command"].startswith("python -m benchmarks.step_ops")
-    assert set(record["total_ms"]) == {"standard", "block", "full"}
+    assert record["settings"]["batch"] == 2 and record["settings"]["tokens"] == 8
+    assert set(record["total_ms"]) == set(record["wall_ms"]) == {"standard", "block", "full"}
     assert all(ms > 0 for ms in record["total_ms"].values())
+    assert all(ms > 0 for ms in record["wall_ms"].values())
     assert set(record["excess_ms"]) == {"block", "full"}
     # the depth-attention kernels run in every model (the standard one's fused norms); AttnRes's points cost more
     kernel = "attnres_cpu::depth_attention_fwd"
@@ -25,7 +28,7 @@ def test_the_record_has_every_model_and_the_excess_of_block_and_full(tmp_path):
             record["per_op"][kind][kernel]["ms"] - record["per_op"]["standard"][kernel]["ms"])
 
 
-@pytest.mark.parametrize("flag", ["--steps", "--rounds", "--top"])
+@pytest.mark.parametrize("flag", ["--batch", "--tokens", "--steps", "--rounds", "--top"])
 def test_counts_must_be_positive(flag, capsys):
     with pytest.raises(SystemExit):
         step_ops.main([flag, "0"])
