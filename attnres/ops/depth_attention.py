@@ -149,6 +149,18 @@ def _torch_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rst
 # where a backend has none); each dispatches to the kernel of the backend that serves the sources.
 
 
+def kernel_fwd(sources, c, out_norm_weight, eps, out_eps):
+    """`depth_attention_fwd`'s work without the custom op around it: the serving backend's kernel."""
+    fwd = select_backend(sources[0]).fwd or torch_depth_attention_fwd
+    return fwd(sources, c, out_norm_weight, eps, out_eps)
+
+
+def kernel_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps):
+    """`depth_attention_bwd`'s work without the custom op around it: the serving backend's kernel."""
+    bwd = select_backend(sources[0]).bwd or torch_depth_attention_bwd
+    return bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps)
+
+
 @torch.library.custom_op("attnres::depth_attention_fwd", mutates_args=())
 def depth_attention_fwd(
     sources: list[torch.Tensor], c: torch.Tensor, out_norm_weight: torch.Tensor | None, eps: float, out_eps: float
@@ -159,8 +171,7 @@ def depth_attention_fwd(
     Returns (output `[..., d]` in the sources' dtype, weights `[R, ...]`, key rstd `[R, ...]`), the two rows in the
     accumulator dtype; every output is fresh and contiguous.
     """
-    fwd = select_backend(sources[0]).fwd or torch_depth_attention_fwd
-    return fwd(sources, c, out_norm_weight, eps, out_eps)
+    return kernel_fwd(sources, c, out_norm_weight, eps, out_eps)
 
 
 @depth_attention_fwd.register_fake
@@ -182,8 +193,7 @@ def depth_attention_bwd(
     Returns (grad of each source in its shape and dtype, grad of c `[d]`, grad of out_norm_weight `[d]`, zeros when
     there is none), the last two in the accumulator dtype.
     """
-    bwd = select_backend(sources[0]).bwd or torch_depth_attention_bwd
-    return bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps)
+    return kernel_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps)
 
 
 @depth_attention_bwd.register_fake
@@ -219,8 +229,7 @@ class _EagerPoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, c, out_norm_weight, eps, out_eps, *sources):
-        fwd = select_backend(sources[0]).fwd or torch_depth_attention_fwd
-        out, weights, rstd = fwd(list(sources), c, out_norm_weight, eps, out_eps)
+        out, weights, rstd = kernel_fwd(list(sources), c, out_norm_weight, eps, out_eps)
         ctx.save_for_backward(c, out_norm_weight, weights, rstd, *sources)
         ctx.eps, ctx.out_eps = eps, out_eps
         ctx.mark_non_differentiable(rstd)
@@ -231,9 +240,8 @@ class _EagerPoint(torch.autograd.Function):
     def backward(ctx, grad_out, grad_weights, grad_rstd):
         c, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
         grad_out = torch.zeros_like(sources[0]) if grad_out is None else grad_out.contiguous()
-        bwd = select_backend(sources[0]).bwd or torch_depth_attention_bwd
-        grads, dc, d_out_w = bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, ctx.eps,
-                                 ctx.out_eps)
+        grads, dc, d_out_w = kernel_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, ctx.eps,
+                                        ctx.out_eps)
         d_out_w = None if out_norm_weight is None else d_out_w.to(out_norm_weight.dtype)
         return dc, d_out_w, None, None, *grads
 
