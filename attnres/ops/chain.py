@@ -31,8 +31,10 @@ from attnres.ops.backends import select_backend
 from attnres.ops.checks import check_depth_attention
 from attnres.ops.depth_attention import (
     accumulator_dtype,
+    depth_attention_fwd,
     fold_query,
     kernel_fwd,
+    takes_kernels_directly,
     torch_depth_attention_bwd_into,
 )
 
@@ -59,7 +61,8 @@ def check_carrier(carrier: torch.Tensor | None, sources: list[torch.Tensor]) -> 
 class _ChainedPoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, carrier, c, out_norm_weight, eps, out_eps, *sources):
-        out, weights, rstd = kernel_fwd(list(sources), c, out_norm_weight, eps, out_eps)
+        fwd = kernel_fwd if takes_kernels_directly(sources[0]) else depth_attention_fwd
+        out, weights, rstd = fwd(list(sources), c, out_norm_weight, eps, out_eps)
         ctx.save_for_backward(c, out_norm_weight, weights, rstd, *sources)
         ctx.eps, ctx.out_eps, ctx.continues = eps, out_eps, carrier is not None
         ctx.set_materialize_grads(False)  # an unused carrier ends the chain: no zero buffer for it

@@ -222,10 +222,17 @@ def _backward(ctx, grad_out, grad_weights, grad_rstd):
 depth_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def takes_kernels_directly(x: torch.Tensor) -> bool:
+    """Whether an op over sources like `x` may call the kernels itself rather than through the custom op: eagerly, on
+    plain tensors. Traced, or on a tensor subclass (FakeTensor, DTensor), the custom op's registrations serve them."""
+    return type(x) is torch.Tensor and not torch.compiler.is_compiling()
+
+
 class _EagerPoint(torch.autograd.Function):
     """The ops above as one autograd Function that calls the backend's kernels directly: what the custom op does in
     eager mode, without its Python layers (argument flattening, dispatch, its autograd wrapper: about 0.1 ms a point,
-    forward and backward, whatever the size). Traced, `depth_attention` takes the custom op."""
+    forward and backward, whatever the size). Where `takes_kernels_directly` says no, `depth_attention` takes the
+    custom op."""
 
     @staticmethod
     def forward(ctx, c, out_norm_weight, eps, out_eps, *sources):
@@ -274,8 +281,8 @@ def depth_attention(
     """
     xs, eps, out_eps = check_depth_attention(sources, query, key_norm_weight, eps, out_norm_weight, out_eps)
     c = fold_query(query, key_norm_weight, accumulator_dtype(xs[0].dtype))
-    if torch.compiler.is_compiling():
-        out, weights, _ = depth_attention_fwd(xs, c, out_norm_weight, eps, out_eps)
-    else:
+    if takes_kernels_directly(xs[0]):
         out, weights, _ = _EagerPoint.apply(c, out_norm_weight, eps, out_eps, *xs)
+    else:
+        out, weights, _ = depth_attention_fwd(xs, c, out_norm_weight, eps, out_eps)
     return (out, weights) if return_weights else out

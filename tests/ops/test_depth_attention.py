@@ -330,3 +330,44 @@ def test_non_contiguous_inputs_and_gradients(source_layout, grad_layout):
     ref, got = run_layout(naive_depth_attention, contiguous=True), run_layout(depth_attention, contiguous=False)
     names = ["output", "weights", *[f"grad {j}" for j in range(len(ref) - 2)]]
     assert_all_close(names, ref, got, TOL[torch.float32])
+
+
+def test_eager_calls_take_the_kernels_directly_with_the_custom_ops_values_and_gradients():
+    """Eagerly, `depth_attention` calls the kernels through its own autograd Function, not the custom op: the values
+    and every gradient are the custom op's, bit for bit (the same kernels given the same arguments)."""
+    from attnres.ops.depth_attention import accumulator_dtype, depth_attention_fwd, takes_kernels_directly
+
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(3, 7, 24, generator=g, requires_grad=True) for _ in range(4)]
+    q, gain, out_w = (torch.randn(24, generator=g, requires_grad=True) for _ in range(3))
+    assert takes_kernels_directly(xs[0])
+    out, weights = depth_attention(xs, q, gain, out_norm_weight=out_w, return_weights=True)
+    (out.square().sum() + (weights * torch.arange(4.0).view(4, 1, 1)).sum()).backward()
+    eager = [out, weights] + [t.grad for t in (*xs, q, gain, out_w)]
+    for t in (*xs, q, gain, out_w):
+        t.grad = None
+    c = fold_query(q, gain, accumulator_dtype(torch.float32))
+    out, weights, _ = depth_attention_fwd(xs, c, out_w, 1e-6, 1e-6)
+    (out.square().sum() + (weights * torch.arange(4.0).view(4, 1, 1)).sum()).backward()
+    through_op = [out, weights] + [t.grad for t in (*xs, q, gain, out_w)]
+    for a, b in zip(eager, through_op):
+        assert torch.equal(a, b)
+
+
+def test_fake_tensors_take_the_custom_op_and_its_fake_kernels():
+    """A tensor subclass (here FakeTensor, outside any compile) goes through the custom op, whose fake kernels give
+    the shapes; the kernels themselves could not run on it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from attnres.ops.chain import depth_attention_chained
+    from attnres.ops.depth_attention import takes_kernels_directly
+
+    with FakeTensorMode():
+        xs = [torch.randn(2, 5, 16, requires_grad=True) for _ in range(3)]
+        q = torch.randn(16, requires_grad=True)
+        assert not takes_kernels_directly(xs[0])
+        out = depth_attention(xs, q, torch.ones(16), out_norm_weight=torch.ones(16))
+        out.sum().backward()
+        assert out.shape == (2, 5, 16) and xs[0].grad.shape == (2, 5, 16) and q.grad.shape == (16,)
+        mixed, carrier = depth_attention_chained(xs, None, q)
+        assert mixed.shape == (2, 5, 16) and carrier.shape == (3, 2, 5, 16)
