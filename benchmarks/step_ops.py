@@ -5,8 +5,8 @@ fused kernel): the standard model and Block and Full, each profiled over `--step
 `--rounds` times, with torch.profiler. Per op name, the self CPU time per step (averaged over the rounds) of each
 model; printed sorted by how much more Block (or Full) spends than the standard model. The ops that both models run
 on the same shapes (the matmuls, attention) should cost the same; how far they differ is the spread of the machine,
-against which the AttnRes ops' own excess reads. Each round also times `--steps` unprofiled steps of each model, back
-in turn: their median is the wall time per step, which counts the Python around the ops as well. With `--batch 1
+against which the AttnRes ops' own excess reads. Each round also times `--steps` unprofiled steps of each model, one
+of each in turn: their median is the wall time per step, which counts the Python around the ops as well. With `--batch 1
 --tokens 4` the ops have almost nothing to compute, and what remains is each step's fixed cost (Python, dispatch,
 autograd, the optimizer's loop over parameters), which a step of any size pays. Writes the table as JSON to `--out`.
 

@@ -201,21 +201,29 @@ def _(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, o
     return [x.new_empty(x.shape) for x in sources], c.new_empty(c.shape), c.new_empty(c.shape)  # contiguous
 
 
+def _save(ctx, c, out_norm_weight, weights, rstd, sources, eps, out_eps) -> None:
+    """What a point's backward needs, as both autograd wirings below keep it."""
+    ctx.save_for_backward(c, out_norm_weight, weights, rstd, *sources)
+    ctx.eps, ctx.out_eps = eps, out_eps
+
+
+def _point_backward(ctx, grad_out, grad_weights, bwd):
+    """(source grads, dc, d_out_w) from what `_save` kept, through `bwd` (the custom op, or the kernel itself). The
+    rstd output is an internal row for the backward; it carries no gradient of its own."""
+    c, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
+    grad_out = torch.zeros_like(sources[0]) if grad_out is None else grad_out.contiguous()
+    grads, dc, d_out_w = bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, ctx.eps, ctx.out_eps)
+    return grads, dc, None if out_norm_weight is None else d_out_w.to(out_norm_weight.dtype)
+
+
 def _setup_context(ctx, inputs, output):
     sources, c, out_norm_weight, eps, out_eps = inputs
     _, weights, rstd = output
-    ctx.save_for_backward(c, out_norm_weight, weights, rstd, *sources)
-    ctx.eps, ctx.out_eps = eps, out_eps
-    ctx.out_norm_dtype = None if out_norm_weight is None else out_norm_weight.dtype
+    _save(ctx, c, out_norm_weight, weights, rstd, sources, eps, out_eps)
 
 
 def _backward(ctx, grad_out, grad_weights, grad_rstd):
-    c, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
-    # the rstd output is an internal row for the backward; it carries no gradient of its own
-    grads, dc, d_out_w = depth_attention_bwd(
-        grad_out.contiguous(), grad_weights, sources, c, out_norm_weight, weights, rstd, ctx.eps, ctx.out_eps
-    )
-    d_out_w = None if ctx.out_norm_dtype is None else d_out_w.to(ctx.out_norm_dtype)
+    grads, dc, d_out_w = _point_backward(ctx, grad_out, grad_weights, depth_attention_bwd)
     return grads, dc, d_out_w, None, None
 
 
@@ -229,27 +237,22 @@ def takes_kernels_directly(x: torch.Tensor) -> bool:
 
 
 class _EagerPoint(torch.autograd.Function):
-    """The ops above as one autograd Function that calls the backend's kernels directly: what the custom op does in
-    eager mode, without its Python layers (argument flattening, dispatch, its autograd wrapper: about 0.1 ms a point,
-    forward and backward, whatever the size). Where `takes_kernels_directly` says no, `depth_attention` takes the
-    custom op."""
+    """The custom op and its autograd above as one autograd Function that calls the backend's kernels directly,
+    without the custom op's Python layers (argument flattening, dispatch, its autograd wrapper: a fixed cost at every
+    point, forward and backward, whatever the size). Where `takes_kernels_directly` says no, `depth_attention` takes
+    the custom op."""
 
     @staticmethod
     def forward(ctx, c, out_norm_weight, eps, out_eps, *sources):
         out, weights, rstd = kernel_fwd(list(sources), c, out_norm_weight, eps, out_eps)
-        ctx.save_for_backward(c, out_norm_weight, weights, rstd, *sources)
-        ctx.eps, ctx.out_eps = eps, out_eps
+        _save(ctx, c, out_norm_weight, weights, rstd, sources, eps, out_eps)
         ctx.mark_non_differentiable(rstd)
         ctx.set_materialize_grads(False)
         return out, weights, rstd
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights, grad_rstd):
-        c, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
-        grad_out = torch.zeros_like(sources[0]) if grad_out is None else grad_out.contiguous()
-        grads, dc, d_out_w = kernel_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, ctx.eps,
-                                        ctx.out_eps)
-        d_out_w = None if out_norm_weight is None else d_out_w.to(out_norm_weight.dtype)
+        grads, dc, d_out_w = _point_backward(ctx, grad_out, grad_weights, kernel_bwd)
         return dc, d_out_w, None, None, *grads
 
 
