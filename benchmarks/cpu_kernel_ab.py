@@ -39,26 +39,35 @@ EPS = 1e-6
 COLD_MIB = 128  # written before each point with --cold: several times any last-level cache of a 2-core machine
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", required=True, help="git revision of the reference kernel source")
-    p.add_argument("--head", default=WORKTREE, help=f"git revision to compare, or {WORKTREE!r} (default)")
+def add_schedule_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a Full schedule timed point by point (shared with benchmarks/chain_floor.py)."""
     p.add_argument("--tokens", type=int, default=2048, help="tokens per source (default: 16 x 128)")
     p.add_argument("--dim", type=int, default=96, help="residual width d (default: the small model's 96)")
     p.add_argument("--layers", type=int, default=6, help="decoder layers L: points over 1 .. 2L + 1 sources")
-    p.add_argument("--sources", type=int, nargs="+", default=None, metavar="R",
-                   help="time single points over R sources each instead of the Full schedule")
     p.add_argument("--cold", action="store_true",
                    help=f"flush the caches ({COLD_MIB} MiB written) before every point; only the points are timed")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--repeats", type=int, default=40, help="interleaved repeats (default 40)")
     p.add_argument("--out", type=Path, default=None, help="JSON record to write (default: print only)")
-    args = p.parse_args(argv)
-    if args.base == args.head:
-        p.error("--base and --head: expected two different revisions")
+
+
+def check_schedule_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("tokens", "dim", "layers", "threads", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: expected a positive number, got {getattr(args, name)}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", required=True, help="git revision of the reference kernel source")
+    p.add_argument("--head", default=WORKTREE, help=f"git revision to compare, or {WORKTREE!r} (default)")
+    p.add_argument("--sources", type=int, nargs="+", default=None, metavar="R",
+                   help="time single points over R sources each instead of the Full schedule")
+    add_schedule_args(p)
+    args = p.parse_args(argv)
+    if args.base == args.head:
+        p.error("--base and --head: expected two different revisions")
+    check_schedule_args(p, args)
     if args.sources is not None and min(args.sources) < 1:
         p.error(f"--sources: expected positive numbers of sources, got {args.sources}")
     return args

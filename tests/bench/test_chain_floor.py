@@ -1,0 +1,58 @@
+"""benchmarks/chain_floor.py: the floor kernel does the work it claims, and the record covers every point."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import chain_floor
+
+
+@pytest.fixture(scope="module")
+def floor(tmp_path_factory):
+    from attnres.ops import cpu
+
+    assert cpu.available()  # the comparison needs the project's kernel too
+    return chain_floor.load_floor(tmp_path_factory.mktemp("floor"))
+
+
+@pytest.mark.parametrize("name", ["tokens", "dim", "layers", "threads", "repeats"])
+def test_sizes_must_be_positive(name):
+    with pytest.raises(SystemExit):
+        chain_floor.parse_args([f"--{name}", "0"])
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_the_floor_reads_every_source_and_adds_into_every_sum(floor, accumulate):
+    """into[j] (+)= alpha_j g + (g . x_j) x_j: every byte the chain's backward moves, with the least arithmetic."""
+    gen = torch.Generator().manual_seed(0)
+    sources = [torch.randn(2, 5, 24, generator=gen) for _ in range(3)]
+    grad, weights = torch.randn(2, 5, 24, generator=gen), torch.rand(3, 2, 5, generator=gen)
+    into = torch.randn(3, 2, 5, 24, generator=gen)
+    expected = torch.stack([
+        weights[j, ..., None] * grad + (grad * x).sum(-1, keepdim=True) * x for j, x in enumerate(sources)
+    ]) + (into if accumulate else 0)
+    floor(grad, sources, weights, into, accumulate)
+    torch.testing.assert_close(into, expected)
+
+
+def test_the_floor_refuses_what_it_cannot_read(floor):
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="chain_floor"):
+        floor(x, [x.double()], torch.rand(1, 4), torch.zeros(1, 4, 8), False)
+    with pytest.raises(RuntimeError, match="into"):
+        floor(x, [x], torch.rand(1, 4), torch.zeros(2, 4, 8), False)
+
+
+def test_the_record_has_the_schedule_and_every_point(tmp_path):
+    out = tmp_path / "chain_floor.json"
+    chain_floor.main(["--tokens", "16", "--dim", "32", "--layers", "1", "--repeats", "2", "--cold", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["command"].startswith("python -m benchmarks.chain_floor")
+    assert set(record["results"]["points"]) == {"1", "2", "3"}  # 2L + 1 points for L = 1
+    for summary in [record["results"]["schedule"], *record["results"]["points"].values()]:
+        assert summary["kernel_ms"]["min"] > 0 and summary["floor_ms"]["min"] > 0
+        assert summary["floor_over_kernel"]["median"] == pytest.approx(
+            summary["floor_ms"]["median"] / summary["kernel_ms"]["median"])
