@@ -16,20 +16,27 @@ per-token work cost the rest. With `--cold` the caches are flushed before every 
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from attnres.ops import cpu
 from attnres.ops.cpu.build import compile_command
-from benchmarks.cpu_kernel_ab import COLD_MIB, EPS, add_schedule_args, check_schedule_args
+from benchmarks.cpu_kernel_ab import (
+    EPS,
+    add_schedule_args,
+    check_schedule_args,
+    compare,
+    schedule_inputs,
+    time_interleaved,
+)
 from benchmarks.gloo_ranks import write_record
 
 FLOOR_SOURCE = Path(__file__).with_name("chain_floor.cpp")
+SIDES = ("kernel", "floor")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,33 +60,20 @@ def load_floor(folder: Path):
     return torch.ops.attnres_chain_floor.bwd_into
 
 
-def chain_points(floor, sources, c, norm_weight, grad_out):
-    """Per point of the chain, from the last (every source, writing the sums) to the first (adding): the kernel's
-    backward and the floor's, each a call over its own gradient-sum buffer."""
+def chain_cases(floor, sources, c, norm_weight, grad_out) -> dict:
+    """The kernel's backward and the floor's, each over a gradient-sum buffer of its own, as `time_interleaved` cases:
+    one phase per point ("R" sources), from the last point (every source, writing the sums) to the first (adding)."""
     ops = torch.ops.attnres_cpu
     count = len(sources)
-    into = {side: sources[0].new_zeros(count, *sources[0].shape) for side in ("kernel", "floor")}
-    points = []
+    into = {side: sources[0].new_zeros(count, *sources[0].shape) for side in SIDES}
+    cases = {side: {} for side in SIDES}
     for r in range(count, 0, -1):
-        xs = sources[:r]
+        xs, accumulate = sources[:r], r < count
         _, weights, rstd = ops.depth_attention_fwd(xs, c, norm_weight, EPS, EPS)
-        accumulate = r < count
-        points.append((r, {
-            "kernel": lambda xs=xs, w=weights, s=rstd, a=accumulate, r=r: ops.depth_attention_bwd_into(
-                grad_out, None, xs, c, norm_weight, w, s, EPS, into["kernel"][:r], a),
-            "floor": lambda xs=xs, w=weights, a=accumulate, r=r: floor(grad_out, xs, w, into["floor"][:r], a),
-        }))
-    return points
-
-
-def summarize(seconds: dict[str, list[float]]) -> dict:
-    kernel, floor = seconds["kernel"], seconds["floor"]
-    return {
-        "kernel_ms": {"min": 1e3 * min(kernel), "median": 1e3 * statistics.median(kernel)},
-        "floor_ms": {"min": 1e3 * min(floor), "median": 1e3 * statistics.median(floor)},
-        "floor_over_kernel": {"min": min(floor) / min(kernel),
-                              "median": statistics.median(floor) / statistics.median(kernel)},
-    }
+        cases["kernel"][str(r)] = [partial(ops.depth_attention_bwd_into, grad_out, None, xs, c, norm_weight, weights,
+                                           rstd, EPS, into["kernel"][:r], accumulate)]
+        cases["floor"][str(r)] = [partial(floor, grad_out, xs, weights, into["floor"][:r], accumulate)]
+    return cases
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -89,29 +83,15 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         floor = load_floor(Path(tmp))
-    gen = torch.Generator().manual_seed(0)
     count = 2 * args.layers + 1
-    sources = [torch.randn(args.tokens, args.dim, generator=gen) for _ in range(count)]
-    c = 0.1 * torch.randn(args.dim, generator=gen)
-    norm_weight, grad_out = torch.ones(args.dim), torch.randn(args.tokens, args.dim, generator=gen)
-    points = chain_points(floor, sources, c, norm_weight, grad_out)
-    times = {(r, side): [] for r, _ in points for side in ("kernel", "floor")}
-    flush = torch.empty(COLD_MIB * 2**20 // 4) if args.cold else None
-    for repeat in range(args.repeats + 2):  # two warm-up rounds
-        for side in ("kernel", "floor") if repeat % 2 else ("floor", "kernel"):  # neither always runs first
-            for r, calls in points:
-                if flush is not None:
-                    flush.fill_(repeat)
-                start = time.perf_counter()
-                calls[side]()
-                if repeat >= 2:
-                    times[(r, side)].append(time.perf_counter() - start)
-    per_point = {str(r): summarize({side: times[(r, side)] for side in ("kernel", "floor")}) for r, _ in points}
-    schedule = summarize({side: [sum(times[(r, side)][k] for r, _ in points) for k in range(args.repeats)]
-                          for side in ("kernel", "floor")})
-    for r, _ in reversed(points):
-        ratio = per_point[str(r)]["floor_over_kernel"]
-        print(f"R = {r:2d}: floor / kernel {ratio['median']:.3f} (median), {ratio['min']:.3f} (min)")
+    cases = chain_cases(floor, *schedule_inputs(args.tokens, args.dim, count))
+    times = time_interleaved(cases, args.repeats, args.cold)
+    points = list(cases["kernel"])
+    per_point = {r: compare(times[("kernel", r)], times[("floor", r)], SIDES) for r in points}
+    schedule = compare(*([sum(k) for k in zip(*(times[(side, r)] for r in points))] for side in SIDES), SIDES)
+    for r in reversed(points):
+        ratio = per_point[r]["floor_over_kernel"]
+        print(f"R = {int(r):2d}: floor / kernel {ratio['median']:.3f} (median), {ratio['min']:.3f} (min)")
     s = schedule
     print(f"schedule: kernel {s['kernel_ms']['median']:.2f} ms, floor {s['floor_ms']['median']:.2f} ms (medians of "
           f"{args.repeats}); floor / kernel {s['floor_over_kernel']['median']:.3f}")

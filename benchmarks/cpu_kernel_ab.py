@@ -143,31 +143,26 @@ def has_chain(ops) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        ops = {side: load_ops(f"ab_{side}", kernel_source(rev), Path(tmp)) for side, rev in
-               (("base", args.base), ("head", args.head))}
+def schedule_inputs(tokens: int, dim: int, count: int):
+    """`count` sources `[tokens, dim]`, a folded query c, an output-norm gain and a gradient: the same seeded inputs in
+    every script that times the kernel (here and benchmarks/chain_floor.py)."""
     gen = torch.Generator().manual_seed(0)
-    count = max(args.sources) if args.sources else 2 * args.layers + 1
-    sources = [torch.randn(args.tokens, args.dim, generator=gen) for _ in range(count)]
-    c = 0.1 * torch.randn(args.dim, generator=gen)
-    norm_weight, grad_out = torch.ones(args.dim), torch.randn(args.tokens, args.dim, generator=gen)
-    if args.sources:
-        chained = False
-        cases = {side: single_points(o, sources, c, norm_weight, grad_out, args.sources) for side, o in ops.items()}
-    else:
-        saved = [ops["base"].depth_attention_fwd(sources[:r], c, norm_weight, EPS, EPS) for r in range(1, count + 1)]
-        chained = all(has_chain(o) for o in ops.values())
-        print(f"backward: {'the chain (bwd_into)' if chained else 'one point at a time (bwd)'}")
-        cases = {side: full_schedule(o, sources, c, norm_weight, grad_out, saved, chained) for side, o in ops.items()}
-    phases = list(cases["base"])
-    times = {(side, phase): [] for side in cases for phase in phases}
-    flush = torch.empty(COLD_MIB * 2**20 // 4) if args.cold else None
-    for repeat in range(args.repeats + 2):  # two warm-up rounds
+    sources = [torch.randn(tokens, dim, generator=gen) for _ in range(count)]
+    c = 0.1 * torch.randn(dim, generator=gen)
+    return sources, c, torch.ones(dim), torch.randn(tokens, dim, generator=gen)
+
+
+def time_interleaved(cases: dict, repeats: int, cold: bool) -> dict[tuple[str, str], list[float]]:
+    """Seconds per repeat of each (side, phase) of `cases` ({side: {phase: [calls]}}, two sides with the same phases):
+    per repeat, after two warm-up rounds, every phase's calls of both sides, each side first in turn; a phase's time
+    is the sum of its calls'. With `cold` the caches are flushed before every call, and only the calls are timed."""
+    sides = list(cases)
+    phases = list(cases[sides[0]])
+    times = {(side, phase): [] for side in sides for phase in phases}
+    flush = torch.empty(COLD_MIB * 2**20 // 4) if cold else None
+    for repeat in range(repeats + 2):
         for phase in phases:
-            for side in ("base", "head") if repeat % 2 else ("head", "base"):  # neither always runs first
+            for side in sides if repeat % 2 else sides[::-1]:  # neither always runs first
                 seconds = 0.0
                 for call in cases[side][phase]:
                     if flush is not None:
@@ -177,15 +172,39 @@ def main(argv: list[str] | None = None) -> None:
                     seconds += time.perf_counter() - start
                 if repeat >= 2:
                     times[(side, phase)].append(seconds)
+    return times
+
+
+def compare(base: list[float], head: list[float], names: tuple[str, str] = ("base", "head")) -> dict:
+    """Minimum and median ms of two sides' times, and the second's over the first's."""
+    a, b = names
+    return {
+        f"{a}_ms": {"min": 1e3 * min(base), "median": 1e3 * statistics.median(base)},
+        f"{b}_ms": {"min": 1e3 * min(head), "median": 1e3 * statistics.median(head)},
+        f"{b}_over_{a}": {"min": min(head) / min(base), "median": statistics.median(head) / statistics.median(base)},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        ops = {side: load_ops(f"ab_{side}", kernel_source(rev), Path(tmp)) for side, rev in
+               (("base", args.base), ("head", args.head))}
+    count = max(args.sources) if args.sources else 2 * args.layers + 1
+    sources, c, norm_weight, grad_out = schedule_inputs(args.tokens, args.dim, count)
+    if args.sources:
+        chained = False
+        cases = {side: single_points(o, sources, c, norm_weight, grad_out, args.sources) for side, o in ops.items()}
+    else:
+        saved = [ops["base"].depth_attention_fwd(sources[:r], c, norm_weight, EPS, EPS) for r in range(1, count + 1)]
+        chained = all(has_chain(o) for o in ops.values())
+        print(f"backward: {'the chain (bwd_into)' if chained else 'one point at a time (bwd)'}")
+        cases = {side: full_schedule(o, sources, c, norm_weight, grad_out, saved, chained) for side, o in ops.items()}
+    times = time_interleaved(cases, args.repeats, args.cold)
     results = {}
-    for phase in phases:
-        base, head = (times[(side, phase)] for side in ("base", "head"))
-        results[phase] = {
-            "base_ms": {"min": 1e3 * min(base), "median": 1e3 * statistics.median(base)},
-            "head_ms": {"min": 1e3 * min(head), "median": 1e3 * statistics.median(head)},
-            "head_over_base": {"min": min(head) / min(base), "median": statistics.median(head) / statistics.median(base)},
-        }
-        r = results[phase]
+    for phase in cases["base"]:
+        r = results[phase] = compare(times[("base", phase)], times[("head", phase)])
         print(f"{phase:12s} base {r['base_ms']['min']:.2f} ms, head {r['head_ms']['min']:.2f} ms (min of "
               f"{args.repeats}); head / base: min {r['head_over_base']['min']:.3f}, median "
               f"{r['head_over_base']['median']:.3f}")

@@ -71,3 +71,23 @@ def test_the_working_tree_source_and_an_unknown_revision():
     assert cpu_kernel_ab.kernel_source(cpu_kernel_ab.WORKTREE) == SOURCE.read_text()
     with pytest.raises(SystemExit, match="no-such-revision"):
         cpu_kernel_ab.kernel_source("no-such-revision")
+
+
+def test_interleaved_timing_runs_every_call_of_both_sides_and_keeps_the_timed_repeats():
+    """Two warm-up rounds, then one time per repeat and (side, phase): the sum of the phase's calls."""
+    ran = []
+    cases = {side: {phase: [lambda s=side, p=phase, k=k: ran.append((s, p, k)) for k in range(2)]
+                    for phase in ("forward", "backward")} for side in ("base", "head")}
+    times = cpu_kernel_ab.time_interleaved(cases, repeats=3, cold=False)
+    assert set(times) == {(side, phase) for side in ("base", "head") for phase in ("forward", "backward")}
+    assert all(len(t) == 3 and min(t) > 0 for t in times.values())
+    assert len(ran) == (3 + 2) * 2 * 2 * 2 and all(ran.count(call) == 5 for call in set(ran))
+    assert ran[:2] == [("head", "forward", 0), ("head", "forward", 1)]  # the sides take turns running first
+    assert ran[4:6] == [("head", "backward", 0), ("head", "backward", 1)]
+    assert ran[8:10] == [("base", "forward", 0), ("base", "forward", 1)]
+
+
+def test_compare_names_its_sides():
+    r = cpu_kernel_ab.compare([2.0, 4.0, 3.0], [1.0, 2.0, 3.0], ("kernel", "floor"))
+    assert r["kernel_ms"] == {"min": 2000.0, "median": 3000.0}
+    assert r["floor_over_kernel"] == {"min": 0.5, "median": 2.0 / 3.0}
