@@ -6,6 +6,12 @@
 //   into[j] (+)= alpha_j * g + (g . x_j) * x_j
 // tokens split across threads as the project's kernel splits them. Its time is the floor that any reordering of the
 // real kernel's arithmetic could reach without moving fewer bytes.
+//
+// The floor of a lazy backward, which keeps each point's gradient row and forms each source's gradient once, when the
+// chain reaches the source's producer, is two kernels with the same least arithmetic:
+//   lazy_point:  g = dy + (dy . o) o                     per point: its gradient and mixture rows read, g written
+//   lazy_source: grad = sum_l w_l g_l + (sum_l w_l (g_l . x)) x
+//                                                        per source: it and every later point's g read, grad written
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -61,10 +67,77 @@ void floor_bwd_into(const at::Tensor& grad_out, at::TensorList sources, const at
   });
 }
 
+void floor_lazy_point(const at::Tensor& grad_out, const at::Tensor& mixture, const at::Tensor& g) {
+  const int64_t d = grad_out.size(-1), n_tok = grad_out.numel() / d;
+  for (const auto* t : {&grad_out, &mixture, &g})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n_tok * d,
+                "chain_floor: lazy_point takes fp32 contiguous rows of one shape");
+  const float* dy = grad_out.data_ptr<float>();
+  const float* o = mixture.data_ptr<float>();
+  float* out = g.data_ptr<float>();
+  at::parallel_for(0, n_tok, std::max<int64_t>(1, (int64_t(1) << 16) / d), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float *dn = dy + n * d, *on = o + n * d;
+      float dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < d; ++i) dot += dn[i] * on[i];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) out[n * d + i] = dn[i] + dot * on[i];
+    }
+  });
+}
+
+void floor_lazy_source(const at::Tensor& x, at::TensorList gs, const at::Tensor& weights, const at::Tensor& grad) {
+  const int64_t n_g = int64_t(gs.size());
+  const int64_t d = x.size(-1), n_tok = x.numel() / d;
+  TORCH_CHECK(n_g > 0, "chain_floor: lazy_source expects the rows of at least one later point");
+  for (const auto* t : {&x, &grad})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n_tok * d,
+                "chain_floor: lazy_source takes fp32 contiguous rows of one shape");
+  std::vector<const float*> g(n_g);
+  for (int64_t l = 0; l < n_g; ++l) {
+    TORCH_CHECK(gs[l].scalar_type() == at::kFloat && gs[l].is_contiguous() && gs[l].numel() == n_tok * d,
+                "chain_floor: lazy_source takes fp32 contiguous rows of one shape");
+    g[l] = gs[l].data_ptr<float>();
+  }
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.numel() == n_g * n_tok,
+              "chain_floor: lazy_source weights [n, N], one row per later point");
+  const float* xp = x.data_ptr<float>();
+  const float* w = weights.data_ptr<float>();
+  float* out = grad.data_ptr<float>();
+  at::parallel_for(0, n_tok, std::max<int64_t>(1, (int64_t(1) << 16) / ((n_g + 1) * d)), [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(d);
+    for (int64_t n = begin; n < end; ++n) {
+      const float* xn = xp + n * d;
+      float c = 0;
+      std::fill(sum.begin(), sum.end(), 0.f);
+      for (int64_t l = 0; l < n_g; ++l) {
+        const float* gl = g[l] + n * d;
+        const float a = w[l * n_tok + n];
+        float dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < d; ++i) {
+          dot += gl[i] * xn[i];
+          sum[i] += a * gl[i];
+        }
+        c += a * dot;
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) out[n * d + i] = sum[i] + c * xn[i];
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnres_chain_floor, m) {
   m.def("bwd_into(Tensor grad_out, Tensor[] sources, Tensor weights, Tensor(a!) into, bool accumulate) -> ()");
+  m.def("lazy_point(Tensor grad_out, Tensor mixture, Tensor(a!) g) -> ()");
+  m.def("lazy_source(Tensor x, Tensor[] gs, Tensor weights, Tensor(a!) grad) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(attnres_chain_floor, CPU, m) { m.impl("bwd_into", &floor_bwd_into); }
+TORCH_LIBRARY_IMPL(attnres_chain_floor, CPU, m) {
+  m.impl("bwd_into", &floor_bwd_into);
+  m.impl("lazy_point", &floor_lazy_point);
+  m.impl("lazy_source", &floor_lazy_source);
+}

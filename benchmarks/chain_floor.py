@@ -9,6 +9,11 @@ them), calls interleaved, each first in turn. The ratio floor / kernel says what
 bytes account for: near 1, only moving fewer bytes makes the backward faster; well below 1, its arithmetic and
 per-token work cost the rest. With `--cold` the caches are flushed before every point, as in a model.
 
+A third side, "lazy", is the floor of a backward that moves fewer bytes: each point only writes its gradient row
+(reading its output gradient and mixture), and each source's gradient is formed once, when the chain reaches the
+source's producer, from the source and the kept rows of every later point (`lazy_point` and `lazy_source` in the same
+file). Its phases split the work differently from the other two, so it is compared over the whole schedule only.
+
     python -m benchmarks.chain_floor --threads 2 --cold
     python -m benchmarks.chain_floor --threads 2 --cold --repeats 40 --out docs/chain_floor.json
 """
@@ -36,7 +41,7 @@ from benchmarks.cpu_kernel_ab import (
 from benchmarks.gloo_ranks import write_record
 
 FLOOR_SOURCE = Path(__file__).with_name("chain_floor.cpp")
-SIDES = ("kernel", "floor")
+SIDES = ("kernel", "floor")  # compared point by point; "lazy" over the schedule only
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,32 +53,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_floor(folder: Path):
-    """`chain_floor.cpp` compiled with the project's flags, its op as `torch.ops.attnres_chain_floor.bwd_into` (once
-    per process: a library registers its ops only once)."""
+    """`chain_floor.cpp` compiled with the project's flags, its ops as `torch.ops.attnres_chain_floor` (`bwd_into`,
+    `lazy_point`, `lazy_source`; compiled once per process: a library registers its ops only once)."""
     try:
-        return torch.ops.attnres_chain_floor.bwd_into
+        torch.ops.attnres_chain_floor.bwd_into
     except (AttributeError, RuntimeError):
-        pass
-    library = folder / "chain_floor.so"
-    subprocess.run(compile_command(FLOOR_SOURCE, library), check=True)
-    torch.ops.load_library(str(library))
-    return torch.ops.attnres_chain_floor.bwd_into
+        library = folder / "chain_floor.so"
+        subprocess.run(compile_command(FLOOR_SOURCE, library), check=True)
+        torch.ops.load_library(str(library))
+    return torch.ops.attnres_chain_floor
 
 
 def chain_cases(floor, sources, c, norm_weight, grad_out) -> dict:
-    """The kernel's backward and the floor's, each over a gradient-sum buffer of its own, as `time_interleaved` cases:
-    one phase per point ("R" sources), from the last point (every source, writing the sums) to the first (adding)."""
+    """The kernel's backward, the floor's and the lazy floor's, each over buffers of its own, as `time_interleaved`
+    cases: one phase per point ("R" sources), from the last point (every source, writing the sums) to the first
+    (adding). A lazy phase is one call: its point's `lazy_point`, then its newest source's `lazy_source` (whose
+    weights are that source's at every later point), as one node of a lazy chain would run them."""
     ops = torch.ops.attnres_cpu
     count = len(sources)
     into = {side: sources[0].new_zeros(count, *sources[0].shape) for side in SIDES}
-    cases = {side: {} for side in SIDES}
+    kept, grads = torch.empty_like(into["floor"]), torch.empty_like(into["floor"])
+    points = {r: ops.depth_attention_fwd(sources[:r], c, norm_weight, EPS, EPS) for r in range(1, count + 1)}
+    cases = {side: {} for side in (*SIDES, "lazy")}
     for r in range(count, 0, -1):
         xs, accumulate = sources[:r], r < count
-        _, weights, rstd = ops.depth_attention_fwd(xs, c, norm_weight, EPS, EPS)
+        mixture, weights, rstd = points[r]
         cases["kernel"][str(r)] = [partial(ops.depth_attention_bwd_into, grad_out, None, xs, c, norm_weight, weights,
                                            rstd, EPS, into["kernel"][:r], accumulate)]
-        cases["floor"][str(r)] = [partial(floor, grad_out, xs, weights, into["floor"][:r], accumulate)]
+        cases["floor"][str(r)] = [partial(floor.bwd_into, grad_out, xs, weights, into["floor"][:r], accumulate)]
+        newest = r - 1
+        later = torch.stack([points[p][1][newest] for p in range(r, count + 1)])
+        cases["lazy"][str(r)] = [partial(in_turn, partial(floor.lazy_point, grad_out, mixture, kept[newest]),
+                                         partial(floor.lazy_source, sources[newest], list(kept[newest:]), later,
+                                                 grads[newest]))]
     return cases
+
+
+def in_turn(*calls) -> None:
+    """One timed call of a phase that runs several kernels back to back (no flush between them)."""
+    for call in calls:
+        call()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -88,14 +107,18 @@ def main(argv: list[str] | None = None) -> dict:
     times = time_interleaved(cases, args.repeats, args.cold)
     points = list(cases["kernel"])
     per_point = {r: compare(times[("kernel", r)], times[("floor", r)], SIDES) for r in points}
-    schedule = compare(*([sum(k) for k in zip(*(times[(side, r)] for r in points))] for side in SIDES), SIDES)
+    totals = {side: [sum(k) for k in zip(*(times[(side, r)] for r in points))] for side in cases}
+    schedule = compare(*(totals[side] for side in SIDES), SIDES)
+    lazy = compare(totals["floor"], totals["lazy"], ("floor", "lazy"))
     for r in reversed(points):
         ratio = per_point[r]["floor_over_kernel"]
         print(f"R = {int(r):2d}: floor / kernel {ratio['median']:.3f} (median), {ratio['min']:.3f} (min)")
     s = schedule
     print(f"schedule: kernel {s['kernel_ms']['median']:.2f} ms, floor {s['floor_ms']['median']:.2f} ms (medians of "
           f"{args.repeats}); floor / kernel {s['floor_over_kernel']['median']:.3f}")
-    results = {"schedule": schedule, "points": per_point}
+    print(f"lazy floor: {lazy['lazy_ms']['median']:.2f} ms; lazy / floor {lazy['lazy_over_floor']['median']:.3f}, lazy / "
+          f"kernel {lazy['lazy_ms']['median'] / s['kernel_ms']['median']:.3f} (medians)")
+    results = {"schedule": schedule, "lazy": lazy, "points": per_point}
     if args.out is not None:
         write_record("benchmarks.chain_floor", args, argv, {"points": count}, results=results)
     return results

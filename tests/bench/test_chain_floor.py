@@ -1,4 +1,4 @@
-"""benchmarks/chain_floor.py: the floor kernel does the work it claims, and the record covers every point."""
+"""benchmarks/chain_floor.py: the floor kernels do the work they claim, and the record covers every point."""
 
 from __future__ import annotations
 
@@ -34,16 +34,34 @@ def test_the_floor_reads_every_source_and_adds_into_every_sum(floor, accumulate)
     expected = torch.stack([
         weights[j, ..., None] * grad + (grad * x).sum(-1, keepdim=True) * x for j, x in enumerate(sources)
     ]) + (into if accumulate else 0)
-    floor(grad, sources, weights, into, accumulate)
+    floor.bwd_into(grad, sources, weights, into, accumulate)
     torch.testing.assert_close(into, expected)
 
 
 def test_the_floor_refuses_what_it_cannot_read(floor):
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="chain_floor"):
-        floor(x, [x.double()], torch.rand(1, 4), torch.zeros(1, 4, 8), False)
+        floor.bwd_into(x, [x.double()], torch.rand(1, 4), torch.zeros(1, 4, 8), False)
     with pytest.raises(RuntimeError, match="into"):
-        floor(x, [x], torch.rand(1, 4), torch.zeros(2, 4, 8), False)
+        floor.bwd_into(x, [x], torch.rand(1, 4), torch.zeros(2, 4, 8), False)
+    with pytest.raises(RuntimeError, match="lazy_point"):
+        floor.lazy_point(x, x[:2].contiguous(), torch.empty_like(x))
+    with pytest.raises(RuntimeError, match="weights"):
+        floor.lazy_source(x, [x, x], torch.rand(1, 4), torch.empty_like(x))
+
+
+def test_the_lazy_floor_keeps_each_point_row_and_forms_each_source_gradient_once(floor):
+    """lazy_point: g = dy + (dy . o) o; lazy_source: grad = sum_l w_l g_l + (sum_l w_l (g_l . x)) x."""
+    gen = torch.Generator().manual_seed(1)
+    dy, o, x = (torch.randn(2, 5, 24, generator=gen) for _ in range(3))
+    g = torch.empty_like(dy)
+    floor.lazy_point(dy, o, g)
+    torch.testing.assert_close(g, dy + (dy * o).sum(-1, keepdim=True) * o)
+    kept, weights = [torch.randn(2, 5, 24, generator=gen) for _ in range(3)], torch.rand(3, 2, 5, generator=gen)
+    grad = torch.empty_like(x)
+    floor.lazy_source(x, kept, weights, grad)
+    expected = sum(w[..., None] * (gl + (gl * x).sum(-1, keepdim=True) * x) for w, gl in zip(weights, kept))
+    torch.testing.assert_close(grad, expected)
 
 
 def test_the_record_has_the_schedule_and_every_point(tmp_path):
@@ -56,3 +74,5 @@ def test_the_record_has_the_schedule_and_every_point(tmp_path):
         assert summary["kernel_ms"]["min"] > 0 and summary["floor_ms"]["min"] > 0
         assert summary["floor_over_kernel"]["median"] == pytest.approx(
             summary["floor_ms"]["median"] / summary["kernel_ms"]["median"])
+    lazy = record["results"]["lazy"]  # the whole schedule's lazy floor against the floor
+    assert lazy["lazy_ms"]["min"] > 0 and lazy["floor_ms"] == record["results"]["schedule"]["floor_ms"]
