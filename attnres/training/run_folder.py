@@ -71,9 +71,11 @@ def prepare_run_dir(run_dir: Path, config: TrainConfig, run_info: dict) -> None:
         ]
         changed += [section for section in ("model", "data") if saved.get(section) != run_info[section]]
         if changed:
+            hint = (" (the learning-rate schedule spans train.steps: to stop a run early and continue it, give both "
+                    "runs the same steps and the first stop_after (--stop-after))" if "train.steps" in changed else "")
             raise ValueError(
                 f"resume: {run_dir} holds a different run; these settings differ from its {CONFIG_FILE}: "
-                f"{', '.join(changed)}"
+                f"{', '.join(changed)}{hint}"
             )
     elif holds_run and not config.resume:
         if not config.overwrite:

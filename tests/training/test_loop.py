@@ -177,6 +177,8 @@ def test_existing_run_is_neither_overwritten_nor_resumed_as_a_different_run(tmp_
         train(tiny(tmp_path, steps=2, eval_interval=2))
     with pytest.raises(ValueError, match=r"resume: .* holds a different run.*train.lr"):
         train(tiny(tmp_path, steps=2, eval_interval=2, lr=1e-4, resume=True))
+    with pytest.raises(ValueError, match=r"train.steps \(the learning-rate schedule .*\(--stop-after\)"):
+        train(tiny(tmp_path, steps=4, eval_interval=2, resume=True))  # a longer run is another schedule
     again = train(tiny(tmp_path, steps=2, eval_interval=2, overwrite=True))
     assert [r["step"] for r in read_log(again.run_dir, "eval")] == [0, 2]
 
