@@ -12,11 +12,19 @@
 //   lazy_point:  g = dy + (dy . o) o                     per point: its gradient and mixture rows read, g written
 //   lazy_source: grad = sum_l w_l g_l + (sum_l w_l (g_l . x)) x
 //                                                        per source: it and every later point's g read, grad written
+// and that backward itself, written plainly with all its arithmetic (fp32; the same bytes as the lazy floor, plus
+// each point's mixture-norm scalars, the depth weights and the folded queries):
+//   lazy_point_backward:  the output-norm backward, dm = r (w*dy) - r^3/d ((w*dy) . o) o with r the mixture's rstd,
+//                         and dm . o, which the softmax backward of every source of the point subtracts
+//   lazy_source_backward: with ds_l = alpha_l (dm_l . x - dm_l . o_l) and u = sum_l ds_l c_l,
+//                         grad = sum_l alpha_l dm_l + k u - k^3/d (u . x) x (k: the key norm's rstd of x), and each
+//                         later query's gradient share, dC_l = sum over tokens of ds_l k x
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -67,6 +75,17 @@ void floor_bwd_into(const at::Tensor& grad_out, at::TensorList sources, const at
   });
 }
 
+// row . x, while adding a * row into sum: the one pass a lazy source makes over each later point's kept row
+inline float dot_and_add(const float* row, const float* x, float a, float* sum, int64_t d) {
+  float dot = 0;
+#pragma omp simd reduction(+ : dot)
+  for (int64_t i = 0; i < d; ++i) {
+    dot += row[i] * x[i];
+    sum[i] += a * row[i];
+  }
+  return dot;
+}
+
 void floor_lazy_point(const at::Tensor& grad_out, const at::Tensor& mixture, const at::Tensor& g) {
   const int64_t d = grad_out.size(-1), n_tok = grad_out.numel() / d;
   for (const auto* t : {&grad_out, &mixture, &g})
@@ -112,20 +131,109 @@ void floor_lazy_source(const at::Tensor& x, at::TensorList gs, const at::Tensor&
       float c = 0;
       std::fill(sum.begin(), sum.end(), 0.f);
       for (int64_t l = 0; l < n_g; ++l) {
-        const float* gl = g[l] + n * d;
         const float a = w[l * n_tok + n];
-        float dot = 0;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < d; ++i) {
-          dot += gl[i] * xn[i];
-          sum[i] += a * gl[i];
-        }
-        c += a * dot;
+        c += a * dot_and_add(g[l] + n * d, xn, a, sum.data(), d);
       }
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) out[n * d + i] = sum[i] + c * xn[i];
     }
   });
+}
+
+std::tuple<at::Tensor, at::Tensor> lazy_point_backward(const at::Tensor& grad_out, const at::Tensor& mixture,
+                                                       const at::Tensor& weight, const at::Tensor& rstd,
+                                                       const at::Tensor& dm) {
+  const int64_t d = grad_out.size(-1), n_tok = grad_out.numel() / d;
+  for (const auto* t : {&grad_out, &mixture, &dm})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n_tok * d,
+                "chain_floor: lazy_point_backward takes fp32 contiguous rows of one shape");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == d &&
+                  rstd.scalar_type() == at::kFloat && rstd.is_contiguous() && rstd.numel() == n_tok,
+              "chain_floor: lazy_point_backward weight [d], rstd [N]");
+  auto dm_dot_o = at::empty({n_tok}, grad_out.options());
+  auto d_weight = at::zeros({at::get_num_threads(), d}, grad_out.options());  // one row per thread, summed after
+  const float *dy = grad_out.data_ptr<float>(), *o = mixture.data_ptr<float>(), *w = weight.data_ptr<float>();
+  const float* r = rstd.data_ptr<float>();
+  float *out = dm.data_ptr<float>(), *mo = dm_dot_o.data_ptr<float>(), *dw = d_weight.data_ptr<float>();
+  at::parallel_for(0, n_tok, std::max<int64_t>(1, (int64_t(1) << 16) / d), [&](int64_t begin, int64_t end) {
+    float* dwt = dw + at::get_thread_num() * d;
+    for (int64_t n = begin; n < end; ++n) {
+      const float *dn = dy + n * d, *on = o + n * d;
+      float* mn = out + n * d;
+      const float rn = r[n];
+      float dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < d; ++i) dot += w[i] * dn[i] * on[i];
+      const float k = rn * rn * rn / d * dot;
+      float m_o = 0;
+#pragma omp simd reduction(+ : m_o)
+      for (int64_t i = 0; i < d; ++i) {
+        mn[i] = rn * w[i] * dn[i] - k * on[i];
+        m_o += mn[i] * on[i];
+        dwt[i] += dn[i] * on[i] * rn;
+      }
+      mo[n] = m_o;
+    }
+  });
+  return {dm_dot_o, d_weight.sum(0)};
+}
+
+at::Tensor lazy_source_backward(const at::Tensor& x, at::TensorList dms, const at::Tensor& dm_dot_o,
+                                const at::Tensor& alpha, const at::Tensor& queries, double eps, const at::Tensor& grad) {
+  const int64_t n_l = int64_t(dms.size());
+  const int64_t d = x.size(-1), n_tok = x.numel() / d;
+  TORCH_CHECK(n_l > 0, "chain_floor: lazy_source_backward expects the rows of at least one later point");
+  std::vector<const float*> dm(n_l);
+  for (int64_t l = 0; l < n_l; ++l) {
+    TORCH_CHECK(dms[l].scalar_type() == at::kFloat && dms[l].is_contiguous() && dms[l].numel() == n_tok * d,
+                "chain_floor: lazy_source_backward takes fp32 contiguous rows of one shape");
+    dm[l] = dms[l].data_ptr<float>();
+  }
+  for (const auto* t : {&x, &grad})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n_tok * d,
+                "chain_floor: lazy_source_backward takes fp32 contiguous rows of one shape");
+  for (const auto* t : {&dm_dot_o, &alpha})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n_l * n_tok,
+                "chain_floor: lazy_source_backward dm_dot_o and alpha [n, N], one row per later point");
+  TORCH_CHECK(queries.scalar_type() == at::kFloat && queries.is_contiguous() && queries.numel() == n_l * d,
+              "chain_floor: lazy_source_backward queries [n, d], one per later point");
+  auto d_queries = at::zeros({at::get_num_threads(), n_l, d}, x.options());  // one block per thread, summed after
+  const float *xp = x.data_ptr<float>(), *mo = dm_dot_o.data_ptr<float>(), *a = alpha.data_ptr<float>();
+  const float* c = queries.data_ptr<float>();
+  float *out = grad.data_ptr<float>(), *dq = d_queries.data_ptr<float>();
+  const float eps_f = float(eps);
+  at::parallel_for(0, n_tok, std::max<int64_t>(1, (int64_t(1) << 16) / ((n_l + 1) * d)), [&](int64_t begin, int64_t end) {
+    float* dqt = dq + at::get_thread_num() * n_l * d;
+    std::vector<float> sum(d), u(d);
+    for (int64_t n = begin; n < end; ++n) {
+      const float* xn = xp + n * d;
+      float ss = 0;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < d; ++i) ss += xn[i] * xn[i];
+      const float k = 1.f / std::sqrt(ss / d + eps_f);
+      std::fill(sum.begin(), sum.end(), 0.f);
+      std::fill(u.begin(), u.end(), 0.f);
+      for (int64_t l = 0; l < n_l; ++l) {
+        const float al = a[l * n_tok + n];
+        const float ds = al * (dot_and_add(dm[l] + n * d, xn, al, sum.data(), d) - mo[l * n_tok + n]);
+        const float* cl = c + l * d;
+        float* dql = dqt + l * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) {
+          u[i] += ds * cl[i];
+          dql[i] += ds * k * xn[i];
+        }
+      }
+      float u_x = 0;
+#pragma omp simd reduction(+ : u_x)
+      for (int64_t i = 0; i < d; ++i) u_x += u[i] * xn[i];
+      const float b = k * k * k / d * u_x;
+      float* gn = out + n * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) gn[i] = sum[i] + k * u[i] - b * xn[i];
+    }
+  });
+  return d_queries.sum(0);
 }
 
 }  // namespace
@@ -134,10 +242,16 @@ TORCH_LIBRARY(attnres_chain_floor, m) {
   m.def("bwd_into(Tensor grad_out, Tensor[] sources, Tensor weights, Tensor(a!) into, bool accumulate) -> ()");
   m.def("lazy_point(Tensor grad_out, Tensor mixture, Tensor(a!) g) -> ()");
   m.def("lazy_source(Tensor x, Tensor[] gs, Tensor weights, Tensor(a!) grad) -> ()");
+  m.def("lazy_point_backward(Tensor grad_out, Tensor mixture, Tensor weight, Tensor rstd, Tensor(a!) dm) -> "
+        "(Tensor, Tensor)");
+  m.def("lazy_source_backward(Tensor x, Tensor[] dms, Tensor dm_dot_o, Tensor alpha, Tensor queries, float eps, "
+        "Tensor(a!) grad) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnres_chain_floor, CPU, m) {
   m.impl("bwd_into", &floor_bwd_into);
   m.impl("lazy_point", &floor_lazy_point);
   m.impl("lazy_source", &floor_lazy_source);
+  m.impl("lazy_point_backward", &lazy_point_backward);
+  m.impl("lazy_source_backward", &lazy_source_backward);
 }
