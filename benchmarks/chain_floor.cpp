@@ -15,7 +15,8 @@
 // and that backward itself, written plainly with all its arithmetic (fp32; the same bytes as the lazy floor, plus
 // each point's mixture-norm scalars, the depth weights and the folded queries):
 //   lazy_point_backward:  the output-norm backward, dm = r (w*dy) - r^3/d ((w*dy) . o) o with r the mixture's rstd,
-//                         and dm . o, which the softmax backward of every source of the point subtracts
+//                         dm . o (written into its row of the chain's [points, N]), which the softmax backward of
+//                         every source of the point subtracts, and the output-norm gain's gradient
 //   lazy_source_backward: with ds_l = alpha_l (dm_l . x - dm_l . o_l) and u = sum_l ds_l c_l,
 //                         grad = sum_l alpha_l dm_l + k u - k^3/d (u . x) x (k: the key norm's rstd of x), and each
 //                         later query's gradient share, dC_l = sum over tokens of ds_l k x
@@ -30,25 +31,37 @@
 
 namespace {
 
+// Every op here reads fp32 contiguous tensors: `what` names the argument and the shape expected of it.
+void check_fp32(const at::Tensor& t, int64_t numel, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == numel, "chain_floor: ", what);
+}
+
+// The data of a list of rows [N, d], checked.
+std::vector<const float*> row_pointers(at::TensorList rows, int64_t numel, const char* what) {
+  TORCH_CHECK(!rows.empty(), "chain_floor: ", what, ", at least one");
+  std::vector<const float*> out;
+  for (const auto& t : rows) {
+    check_fp32(t, numel, what);
+    out.push_back(t.data_ptr<float>());
+  }
+  return out;
+}
+
+// The project kernel's grain (attnres/ops/cpu/depth_attention.cpp, grain_size): about 64K floats of rows a chunk.
+int64_t grain(int64_t rows, int64_t d) { return std::max<int64_t>(1, (int64_t(1) << 16) / (rows * d)); }
+
 void floor_bwd_into(const at::Tensor& grad_out, at::TensorList sources, const at::Tensor& weights,
                     const at::Tensor& into, bool accumulate) {
-  const int64_t n_src = int64_t(sources.size());
-  TORCH_CHECK(n_src > 0, "chain_floor: expected at least one source");
-  const int64_t d = sources[0].size(-1), n_tok = sources[0].numel() / d;
-  auto fp32_contiguous = [](const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.is_contiguous(); };
-  TORCH_CHECK(fp32_contiguous(grad_out) && grad_out.numel() == n_tok * d, "chain_floor: grad_out as a source");
-  for (const auto& x : sources)
-    TORCH_CHECK(fp32_contiguous(x) && x.numel() == n_tok * d, "chain_floor: fp32 contiguous sources of one shape");
-  TORCH_CHECK(fp32_contiguous(weights) && weights.numel() == n_src * n_tok, "chain_floor: weights [R, N]");
-  TORCH_CHECK(fp32_contiguous(into) && into.numel() == n_src * n_tok * d, "chain_floor: into [R, N, d]");
-  std::vector<const float*> x(n_src);
-  for (int64_t j = 0; j < n_src; ++j) x[j] = sources[j].data_ptr<float>();
+  TORCH_CHECK(!sources.empty(), "chain_floor: expected at least one source");
+  const int64_t n_src = int64_t(sources.size()), d = sources[0].size(-1), n_tok = sources[0].numel() / d;
+  const auto x = row_pointers(sources, n_tok * d, "fp32 contiguous sources of one shape");
+  check_fp32(grad_out, n_tok * d, "grad_out as a source");
+  check_fp32(weights, n_src * n_tok, "weights [R, N]");
+  check_fp32(into, n_src * n_tok * d, "into [R, N, d]");
   const float* g = grad_out.data_ptr<float>();
   const float* alpha = weights.data_ptr<float>();
   float* sums = into.data_ptr<float>();
-  // the project kernel's grain (attnres/ops/cpu/depth_attention.cpp, grain_size)
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (n_src * d));
-  at::parallel_for(0, n_tok, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_tok, grain(n_src, d), [&](int64_t begin, int64_t end) {
     std::vector<float> dots(n_src);
     for (int64_t n = begin; n < end; ++n) {
       const float* gn = g + n * d;
@@ -88,13 +101,10 @@ inline float dot_and_add(const float* row, const float* x, float a, float* sum, 
 
 void floor_lazy_point(const at::Tensor& grad_out, const at::Tensor& mixture, const at::Tensor& g) {
   const int64_t d = grad_out.size(-1), n_tok = grad_out.numel() / d;
-  for (const auto* t : {&grad_out, &mixture, &g})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n_tok * d,
-                "chain_floor: lazy_point takes fp32 contiguous rows of one shape");
-  const float* dy = grad_out.data_ptr<float>();
-  const float* o = mixture.data_ptr<float>();
+  const auto rows = row_pointers({grad_out, mixture, g}, n_tok * d, "lazy_point takes fp32 contiguous rows of one shape");
+  const float *dy = rows[0], *o = rows[1];
   float* out = g.data_ptr<float>();
-  at::parallel_for(0, n_tok, std::max<int64_t>(1, (int64_t(1) << 16) / d), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_tok, grain(1, d), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const float *dn = dy + n * d, *on = o + n * d;
       float dot = 0;
@@ -107,24 +117,14 @@ void floor_lazy_point(const at::Tensor& grad_out, const at::Tensor& mixture, con
 }
 
 void floor_lazy_source(const at::Tensor& x, at::TensorList gs, const at::Tensor& weights, const at::Tensor& grad) {
-  const int64_t n_g = int64_t(gs.size());
-  const int64_t d = x.size(-1), n_tok = x.numel() / d;
-  TORCH_CHECK(n_g > 0, "chain_floor: lazy_source expects the rows of at least one later point");
-  for (const auto* t : {&x, &grad})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n_tok * d,
-                "chain_floor: lazy_source takes fp32 contiguous rows of one shape");
-  std::vector<const float*> g(n_g);
-  for (int64_t l = 0; l < n_g; ++l) {
-    TORCH_CHECK(gs[l].scalar_type() == at::kFloat && gs[l].is_contiguous() && gs[l].numel() == n_tok * d,
-                "chain_floor: lazy_source takes fp32 contiguous rows of one shape");
-    g[l] = gs[l].data_ptr<float>();
-  }
-  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.numel() == n_g * n_tok,
-              "chain_floor: lazy_source weights [n, N], one row per later point");
+  const int64_t d = x.size(-1), n_tok = x.numel() / d, n_g = int64_t(gs.size());
+  const auto g = row_pointers(gs, n_tok * d, "lazy_source takes the fp32 contiguous rows of the later points");
+  row_pointers({x, grad}, n_tok * d, "lazy_source takes fp32 contiguous rows of one shape");
+  check_fp32(weights, n_g * n_tok, "lazy_source weights [n, N], one row per later point");
   const float* xp = x.data_ptr<float>();
   const float* w = weights.data_ptr<float>();
   float* out = grad.data_ptr<float>();
-  at::parallel_for(0, n_tok, std::max<int64_t>(1, (int64_t(1) << 16) / ((n_g + 1) * d)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_tok, grain(n_g + 1, d), [&](int64_t begin, int64_t end) {
     std::vector<float> sum(d);
     for (int64_t n = begin; n < end; ++n) {
       const float* xn = xp + n * d;
@@ -140,22 +140,18 @@ void floor_lazy_source(const at::Tensor& x, at::TensorList gs, const at::Tensor&
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> lazy_point_backward(const at::Tensor& grad_out, const at::Tensor& mixture,
-                                                       const at::Tensor& weight, const at::Tensor& rstd,
-                                                       const at::Tensor& dm) {
+at::Tensor lazy_point_backward(const at::Tensor& grad_out, const at::Tensor& mixture, const at::Tensor& weight,
+                               const at::Tensor& rstd, const at::Tensor& dm, const at::Tensor& dm_dot_o) {
   const int64_t d = grad_out.size(-1), n_tok = grad_out.numel() / d;
-  for (const auto* t : {&grad_out, &mixture, &dm})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n_tok * d,
-                "chain_floor: lazy_point_backward takes fp32 contiguous rows of one shape");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == d &&
-                  rstd.scalar_type() == at::kFloat && rstd.is_contiguous() && rstd.numel() == n_tok,
-              "chain_floor: lazy_point_backward weight [d], rstd [N]");
-  auto dm_dot_o = at::empty({n_tok}, grad_out.options());
+  const auto rows =
+      row_pointers({grad_out, mixture, dm}, n_tok * d, "lazy_point_backward takes fp32 contiguous rows of one shape");
+  check_fp32(weight, d, "lazy_point_backward weight [d]");
+  check_fp32(rstd, n_tok, "lazy_point_backward rstd [N]");
+  check_fp32(dm_dot_o, n_tok, "lazy_point_backward dm_dot_o [N]");
   auto d_weight = at::zeros({at::get_num_threads(), d}, grad_out.options());  // one row per thread, summed after
-  const float *dy = grad_out.data_ptr<float>(), *o = mixture.data_ptr<float>(), *w = weight.data_ptr<float>();
-  const float* r = rstd.data_ptr<float>();
+  const float *dy = rows[0], *o = rows[1], *w = weight.data_ptr<float>(), *r = rstd.data_ptr<float>();
   float *out = dm.data_ptr<float>(), *mo = dm_dot_o.data_ptr<float>(), *dw = d_weight.data_ptr<float>();
-  at::parallel_for(0, n_tok, std::max<int64_t>(1, (int64_t(1) << 16) / d), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_tok, grain(1, d), [&](int64_t begin, int64_t end) {
     float* dwt = dw + at::get_thread_num() * d;
     for (int64_t n = begin; n < end; ++n) {
       const float *dn = dy + n * d, *on = o + n * d;
@@ -175,34 +171,22 @@ std::tuple<at::Tensor, at::Tensor> lazy_point_backward(const at::Tensor& grad_ou
       mo[n] = m_o;
     }
   });
-  return {dm_dot_o, d_weight.sum(0)};
+  return d_weight.sum(0);
 }
 
 at::Tensor lazy_source_backward(const at::Tensor& x, at::TensorList dms, const at::Tensor& dm_dot_o,
                                 const at::Tensor& alpha, const at::Tensor& queries, double eps, const at::Tensor& grad) {
-  const int64_t n_l = int64_t(dms.size());
-  const int64_t d = x.size(-1), n_tok = x.numel() / d;
-  TORCH_CHECK(n_l > 0, "chain_floor: lazy_source_backward expects the rows of at least one later point");
-  std::vector<const float*> dm(n_l);
-  for (int64_t l = 0; l < n_l; ++l) {
-    TORCH_CHECK(dms[l].scalar_type() == at::kFloat && dms[l].is_contiguous() && dms[l].numel() == n_tok * d,
-                "chain_floor: lazy_source_backward takes fp32 contiguous rows of one shape");
-    dm[l] = dms[l].data_ptr<float>();
-  }
-  for (const auto* t : {&x, &grad})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n_tok * d,
-                "chain_floor: lazy_source_backward takes fp32 contiguous rows of one shape");
-  for (const auto* t : {&dm_dot_o, &alpha})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n_l * n_tok,
-                "chain_floor: lazy_source_backward dm_dot_o and alpha [n, N], one row per later point");
-  TORCH_CHECK(queries.scalar_type() == at::kFloat && queries.is_contiguous() && queries.numel() == n_l * d,
-              "chain_floor: lazy_source_backward queries [n, d], one per later point");
+  const int64_t d = x.size(-1), n_tok = x.numel() / d, n_l = int64_t(dms.size());
+  const auto dm = row_pointers(dms, n_tok * d, "lazy_source_backward takes the fp32 contiguous rows of the later points");
+  row_pointers({x, grad}, n_tok * d, "lazy_source_backward takes fp32 contiguous rows of one shape");
+  row_pointers({dm_dot_o, alpha}, n_l * n_tok, "lazy_source_backward dm_dot_o and alpha [n, N], one row per later point");
+  check_fp32(queries, n_l * d, "lazy_source_backward queries [n, d], one per later point");
   auto d_queries = at::zeros({at::get_num_threads(), n_l, d}, x.options());  // one block per thread, summed after
   const float *xp = x.data_ptr<float>(), *mo = dm_dot_o.data_ptr<float>(), *a = alpha.data_ptr<float>();
   const float* c = queries.data_ptr<float>();
   float *out = grad.data_ptr<float>(), *dq = d_queries.data_ptr<float>();
   const float eps_f = float(eps);
-  at::parallel_for(0, n_tok, std::max<int64_t>(1, (int64_t(1) << 16) / ((n_l + 1) * d)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_tok, grain(n_l + 1, d), [&](int64_t begin, int64_t end) {
     float* dqt = dq + at::get_thread_num() * n_l * d;
     std::vector<float> sum(d), u(d);
     for (int64_t n = begin; n < end; ++n) {
@@ -242,8 +226,8 @@ TORCH_LIBRARY(attnres_chain_floor, m) {
   m.def("bwd_into(Tensor grad_out, Tensor[] sources, Tensor weights, Tensor(a!) into, bool accumulate) -> ()");
   m.def("lazy_point(Tensor grad_out, Tensor mixture, Tensor(a!) g) -> ()");
   m.def("lazy_source(Tensor x, Tensor[] gs, Tensor weights, Tensor(a!) grad) -> ()");
-  m.def("lazy_point_backward(Tensor grad_out, Tensor mixture, Tensor weight, Tensor rstd, Tensor(a!) dm) -> "
-        "(Tensor, Tensor)");
+  m.def("lazy_point_backward(Tensor grad_out, Tensor mixture, Tensor weight, Tensor rstd, Tensor(a!) dm, "
+        "Tensor(b!) dm_dot_o) -> Tensor");
   m.def("lazy_source_backward(Tensor x, Tensor[] dms, Tensor dm_dot_o, Tensor alpha, Tensor queries, float eps, "
         "Tensor(a!) grad) -> Tensor");
 }

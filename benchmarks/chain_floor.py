@@ -79,29 +79,28 @@ def chain_cases(floor, sources, c, norm_weight, grad_out) -> dict:
     kept, grads = torch.empty_like(into["floor"]), torch.empty_like(into["floor"])
     dm_dot_o = sources[0].new_zeros(count, sources[0].shape[0])
     queries = c.expand(count, -1).contiguous()
-    points = {r: ops.depth_attention_fwd(sources[:r], c, norm_weight, EPS, EPS) for r in range(1, count + 1)}
+    saved = {r: ops.depth_attention_fwd(sources[:r], c, norm_weight, EPS, EPS)[1:] for r in range(1, count + 1)}
     cases = {side: {} for side in (*SIDES, *LAZY_SIDES)}
     for r in range(count, 0, -1):
         xs, accumulate = sources[:r], r < count
-        out, weights, rstd = points[r]
+        weights, rstd = saved[r]  # the point's depth weights [R, N] and key rstd
         cases["kernel"][str(r)] = [partial(ops.depth_attention_bwd_into, grad_out, None, xs, c, norm_weight, weights,
                                            rstd, EPS, into["kernel"][:r], accumulate)]
         cases["floor"][str(r)] = [partial(floor.bwd_into, grad_out, xs, weights, into["floor"][:r], accumulate)]
         newest = r - 1
-        later = torch.stack([points[p][1][newest] for p in range(r, count + 1)])
-        cases["lazy_floor"][str(r)] = [partial(
-            in_turn, partial(floor.lazy_point, grad_out, out, kept[newest]),
-            partial(floor.lazy_source, sources[newest], list(kept[newest:]), later, grads[newest]))]
+        later = torch.stack([saved[p][0][newest] for p in range(r, count + 1)])
+        rows = list(kept[newest:])
         mixture = sum(w[:, None] * x for w, x in zip(weights, xs))
+        cases["lazy_floor"][str(r)] = [partial(
+            in_turn, partial(floor.lazy_point, grad_out, mixture, kept[newest]),
+            partial(floor.lazy_source, sources[newest], rows, later, grads[newest]))]
         mixture_rstd = torch.rsqrt(mixture.square().mean(-1) + EPS)
-
-        def lazy(newest=newest, mixture=mixture, mixture_rstd=mixture_rstd, later=later, rows=list(kept[newest:])):
-            m_o, _ = floor.lazy_point_backward(grad_out, mixture, norm_weight, mixture_rstd, kept[newest])
-            dm_dot_o[newest] = m_o
-            floor.lazy_source_backward(sources[newest], rows, dm_dot_o[newest:], later, queries[newest:], EPS,
-                                       grads[newest])
-
-        cases["lazy"][str(r)] = [lazy]
+        cases["lazy"][str(r)] = [partial(
+            in_turn,
+            partial(floor.lazy_point_backward, grad_out, mixture, norm_weight, mixture_rstd, kept[newest],
+                    dm_dot_o[newest]),
+            partial(floor.lazy_source_backward, sources[newest], rows, dm_dot_o[newest:], later, queries[newest:],
+                    EPS, grads[newest]))]
     return cases
 
 

@@ -153,9 +153,10 @@ def schedule_inputs(tokens: int, dim: int, count: int):
 
 
 def time_interleaved(cases: dict, repeats: int, cold: bool) -> dict[tuple[str, str], list[float]]:
-    """Seconds per repeat of each (side, phase) of `cases` ({side: {phase: [calls]}}, two sides with the same phases):
-    per repeat, after two warm-up rounds, every phase's calls of both sides, each side first in turn; a phase's time
-    is the sum of its calls'. With `cold` the caches are flushed before every call, and only the calls are timed."""
+    """Seconds per repeat of each (side, phase) of `cases` ({side: {phase: [calls]}}, every side with the same
+    phases): per repeat, after two warm-up rounds, every phase's calls of every side, the sides' order reversed from
+    one repeat to the next; a phase's time is the sum of its calls'. With `cold` the caches are flushed before every
+    call, and only the calls are timed."""
     sides = list(cases)
     phases = list(cases[sides[0]])
     times = {(side, phase): [] for side in sides for phase in phases}

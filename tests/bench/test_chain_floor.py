@@ -86,8 +86,7 @@ def test_the_lazy_backward_gives_depth_attentions_gradients(floor):
     for p in reversed(range(count)):  # point p, then its newest source p
         mixture = sum(a[:, None] * x for a, x in zip(alphas[p], sources))
         rstd = torch.rsqrt(mixture.square().mean(-1) + eps)
-        dm_dot_o[p], dw = floor.lazy_point_backward(grad_outs[p], mixture, weight, rstd, kept[p])
-        d_weight += dw
+        d_weight += floor.lazy_point_backward(grad_outs[p], mixture, weight, rstd, kept[p], dm_dot_o[p])
         later = torch.stack([alphas[q][p] for q in range(p, count)])
         d_queries[p:] += floor.lazy_source_backward(sources[p], list(kept[p:]), dm_dot_o[p:], later,
                                                     queries[p:].contiguous(), eps, grads[p])
