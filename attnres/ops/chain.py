@@ -32,10 +32,11 @@ from attnres.ops.checks import check_depth_attention
 from attnres.ops.depth_attention import (
     accumulator_dtype,
     depth_attention_fwd,
-    fold_query,
-    kernel_fwd,
+    fold_query_unrecorded,
+    query_grads,
     takes_kernels_directly,
     torch_depth_attention_bwd_into,
+    torch_depth_attention_fwd,
 )
 
 
@@ -59,19 +60,29 @@ def check_carrier(carrier: torch.Tensor | None, sources: list[torch.Tensor]) -> 
 
 
 class _ChainedPoint(torch.autograd.Function):
+    """One point of a chain. Continuing a chain, only its newest source is an input that autograd tracks: the older
+    ones (`older`, a tuple that autograd does not look into) get their gradients through the carrier, so an edge to
+    each would only cost its bookkeeping, at every point forward and backward. A point that starts a chain tracks
+    every source."""
+
     @staticmethod
-    def forward(ctx, carrier, c, out_norm_weight, eps, out_eps, *sources):
-        fwd = kernel_fwd if takes_kernels_directly(sources[0]) else depth_attention_fwd
-        out, weights, rstd = fwd(list(sources), c, out_norm_weight, eps, out_eps)
-        ctx.save_for_backward(c, out_norm_weight, weights, rstd, *sources)
-        ctx.eps, ctx.out_eps, ctx.continues = eps, out_eps, carrier is not None
-        ctx.set_materialize_grads(False)  # an unused carrier ends the chain: no zero buffer for it
+    def forward(ctx, carrier, query, key_norm_weight, out_norm_weight, eps, out_eps, older, *tracked):
+        sources = [*older, *tracked]
         x = sources[0]
-        return out, x.new_empty(()).expand(len(sources), *x.shape)
+        backend = select_backend(x)
+        c, q, g = fold_query_unrecorded(ctx, query, key_norm_weight, accumulator_dtype(x.dtype))
+        fwd = (backend.fwd or torch_depth_attention_fwd) if takes_kernels_directly(x) else depth_attention_fwd
+        out, weights, rstd = fwd(sources, c, out_norm_weight, eps, out_eps)
+        ctx.save_for_backward(c, out_norm_weight, weights, rstd, q, g, *sources)
+        ctx.eps, ctx.out_eps, ctx.continues = eps, out_eps, carrier is not None
+        ctx.bwd_into = backend.bwd_into or torch_depth_attention_bwd_into
+        ctx.set_materialize_grads(False)  # an unused carrier ends the chain: no zero buffer for it
+        # the carrier: one element, zero strides (one op)
+        return out, torch.empty_strided((len(sources), *x.shape), (0,) * (x.dim() + 1), dtype=x.dtype, device=x.device)
 
     @staticmethod
     def backward(ctx, grad_out, grad_carrier):
-        c, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
+        c, out_norm_weight, weights, rstd, q, g, *sources = ctx.saved_tensors
         x = sources[0]
         if grad_out is None:  # only the carrier is used further on: nothing of this point's own to add
             grad_out = torch.zeros_like(x)
@@ -81,17 +92,15 @@ class _ChainedPoint(torch.autograd.Function):
             into = grad_carrier if grad_carrier.is_contiguous() else grad_carrier.contiguous()
         else:
             into = torch.empty((len(sources), *x.shape), dtype=x.dtype, device=x.device)
-        bwd_into = select_backend(x).bwd_into or torch_depth_attention_bwd_into
-        dc, d_out_w = bwd_into(
+        dc, d_out_w = ctx.bwd_into(
             grad_out.contiguous(), None, sources, c, out_norm_weight, weights, rstd, ctx.eps, ctx.out_eps, into,
             accumulate,
         )
         d_out_w = None if out_norm_weight is None else d_out_w.to(out_norm_weight.dtype)
-        if ctx.continues:  # the newest source is complete; the older ones go on summing in the previous point
-            grads, back = [None] * (len(sources) - 1) + [into[-1]], into[:-1]
-        else:
-            grads, back = list(into.unbind(0)), None
-        return back, dc, d_out_w, None, None, *grads
+        d_query, d_gain = query_grads(ctx, dc, q, g, *ctx.needs_input_grad[1:3])
+        # the newest source is complete; the older ones go on summing in the previous point
+        back, grads = (into[:-1], [into[-1]]) if ctx.continues else (None, into.unbind(0))
+        return back, d_query, d_gain, d_out_w, None, None, None, *grads
 
 
 def depth_attention_chained(
@@ -109,5 +118,5 @@ def depth_attention_chained(
     read these sources plus one more. The mixture and every gradient are `depth_attention`'s."""
     xs, eps, out_eps = check_depth_attention(sources, query, key_norm_weight, eps, out_norm_weight, out_eps)
     check_carrier(carrier, xs)
-    c = fold_query(query, key_norm_weight, accumulator_dtype(xs[0].dtype))
-    return _ChainedPoint.apply(carrier, c, out_norm_weight, eps, out_eps, *xs)
+    older, tracked = (tuple(xs[:-1]), xs[-1:]) if carrier is not None else ((), xs)
+    return _ChainedPoint.apply(carrier, query, key_norm_weight, out_norm_weight, eps, out_eps, older, *tracked)

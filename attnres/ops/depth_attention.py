@@ -201,19 +201,20 @@ def _(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, o
     return [x.new_empty(x.shape) for x in sources], c.new_empty(c.shape), c.new_empty(c.shape)  # contiguous
 
 
-def _save(ctx, c, out_norm_weight, weights, rstd, sources, eps, out_eps) -> None:
-    """What a point's backward needs, as both autograd wirings below keep it."""
-    ctx.save_for_backward(c, out_norm_weight, weights, rstd, *sources)
+def _save(ctx, c, out_norm_weight, weights, rstd, sources, eps, out_eps, folded=(None, None)) -> None:
+    """What a point's backward needs, as both autograd wirings below keep it (`folded`: `fold_query_unrecorded`'s q
+    and g, where the query was folded inside the Function)."""
+    ctx.save_for_backward(c, out_norm_weight, weights, rstd, *folded, *sources)
     ctx.eps, ctx.out_eps = eps, out_eps
 
 
 def _point_backward(ctx, grad_out, grad_weights, bwd):
-    """(source grads, dc, d_out_w) from what `_save` kept, through `bwd` (the custom op, or the kernel itself). The
-    rstd output is an internal row for the backward; it carries no gradient of its own."""
-    c, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
+    """(source grads, dc, d_out_w, (q, g)) from what `_save` kept, through `bwd` (the custom op, or the kernel itself).
+    The rstd output is an internal row for the backward; it carries no gradient of its own."""
+    c, out_norm_weight, weights, rstd, q, g, *sources = ctx.saved_tensors
     grad_out = torch.zeros_like(sources[0]) if grad_out is None else grad_out.contiguous()
     grads, dc, d_out_w = bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, ctx.eps, ctx.out_eps)
-    return grads, dc, None if out_norm_weight is None else d_out_w.to(out_norm_weight.dtype)
+    return grads, dc, None if out_norm_weight is None else d_out_w.to(out_norm_weight.dtype), (q, g)
 
 
 def _setup_context(ctx, inputs, output):
@@ -223,7 +224,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, grad_weights, grad_rstd):
-    grads, dc, d_out_w = _point_backward(ctx, grad_out, grad_weights, depth_attention_bwd)
+    grads, dc, d_out_w, _ = _point_backward(ctx, grad_out, grad_weights, depth_attention_bwd)
     return grads, dc, d_out_w, None, None
 
 
@@ -236,24 +237,50 @@ def takes_kernels_directly(x: torch.Tensor) -> bool:
     return type(x) is torch.Tensor and not torch.compiler.is_compiling()
 
 
+def fold_query_unrecorded(
+    ctx, query: torch.Tensor, key_norm_weight: torch.Tensor | None, acc: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`fold_query` inside an autograd Function's forward, where autograd records nothing: (c, q, g), q and g being
+    the query `[d]` and the gain in the accumulator dtype, which `query_grads` needs. An aggregation point then has no
+    fold of its own in the graph (a multiply, a cast and a view at every point, forward and backward)."""
+    q = query.reshape(-1).to(acc)
+    g = None if key_norm_weight is None else key_norm_weight.to(acc)
+    ctx.query_layout = query.dtype, query.shape, None if g is None else key_norm_weight.dtype
+    return (q if g is None else q * g), q, g
+
+
+def query_grads(ctx, dc, q, g, needs_query: bool, needs_gain: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of the query and the key-norm gain from dc, as autograd forms them through `fold_query`: the same
+    products, then the cast and the view back."""
+    query_dtype, query_shape, gain_dtype = ctx.query_layout
+    d_query = (dc if g is None else dc * g).to(query_dtype).view(query_shape) if needs_query else None
+    return d_query, (dc * q).to(gain_dtype) if needs_gain and g is not None else None
+
+
 class _EagerPoint(torch.autograd.Function):
     """The custom op and its autograd above as one autograd Function that calls the backend's kernels directly,
     without the custom op's Python layers (argument flattening, dispatch, its autograd wrapper: a fixed cost at every
-    point, forward and backward, whatever the size). Where `takes_kernels_directly` says no, `depth_attention` takes
-    the custom op."""
+    point, forward and backward, whatever the size). It also folds the query itself and keeps the backend that served
+    its forward for its backward. Where `takes_kernels_directly` says no, `depth_attention` takes the custom op."""
 
     @staticmethod
-    def forward(ctx, c, out_norm_weight, eps, out_eps, *sources):
-        out, weights, rstd = kernel_fwd(list(sources), c, out_norm_weight, eps, out_eps)
-        _save(ctx, c, out_norm_weight, weights, rstd, sources, eps, out_eps)
+    def forward(ctx, query, key_norm_weight, out_norm_weight, eps, out_eps, *sources):
+        x = sources[0]
+        backend = select_backend(x)
+        c, q, g = fold_query_unrecorded(ctx, query, key_norm_weight, accumulator_dtype(x.dtype))
+        fwd = backend.fwd or torch_depth_attention_fwd
+        out, weights, rstd = fwd(list(sources), c, out_norm_weight, eps, out_eps)
+        _save(ctx, c, out_norm_weight, weights, rstd, sources, eps, out_eps, (q, g))
+        ctx.bwd = backend.bwd or torch_depth_attention_bwd
         ctx.mark_non_differentiable(rstd)
         ctx.set_materialize_grads(False)
         return out, weights, rstd
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights, grad_rstd):
-        grads, dc, d_out_w = _point_backward(ctx, grad_out, grad_weights, kernel_bwd)
-        return dc, d_out_w, None, None, *grads
+        grads, dc, d_out_w, (q, g) = _point_backward(ctx, grad_out, grad_weights, ctx.bwd)
+        d_query, d_gain = query_grads(ctx, dc, q, g, *ctx.needs_input_grad[:2])
+        return d_query, d_gain, d_out_w, None, None, *grads
 
 
 def depth_attention(
@@ -283,9 +310,9 @@ def depth_attention(
         (fp64 for fp64 sources). Differentiable w.r.t. every tensor argument.
     """
     xs, eps, out_eps = check_depth_attention(sources, query, key_norm_weight, eps, out_norm_weight, out_eps)
-    c = fold_query(query, key_norm_weight, accumulator_dtype(xs[0].dtype))
     if takes_kernels_directly(xs[0]):
-        out, weights, _ = _EagerPoint.apply(c, out_norm_weight, eps, out_eps, *xs)
+        out, weights, _ = _EagerPoint.apply(query, key_norm_weight, out_norm_weight, eps, out_eps, *xs)
     else:
+        c = fold_query(query, key_norm_weight, accumulator_dtype(xs[0].dtype))
         out, weights, _ = depth_attention_fwd(xs, c, out_norm_weight, eps, out_eps)
     return (out, weights) if return_weights else out

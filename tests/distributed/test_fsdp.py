@@ -75,8 +75,8 @@ class FullParams:
 
     def _hook_backward(self, out, layer: int) -> None:
         out = out[0] if isinstance(out, tuple) else out
-        if out.requires_grad:  # runs after FSDP's own hook on the same tensor (registered first), which gathers
-            out.register_hook(lambda grad: self.backward.append((layer, self.alive())))
+        if out.requires_grad:  # as the body's backward begins: after every hook on its output, FSDP's that gathers
+            out.grad_fn.register_prehook(lambda grads: self.backward.append((layer, self.alive())))
 
 
 def shard_and_compare(rank: int) -> dict:

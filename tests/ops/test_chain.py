@@ -190,3 +190,22 @@ def test_a_carrier_that_does_not_continue_the_chain_is_refused():
         depth_attention_chained([x, x], carrier, q)
     with pytest.raises(ValueError, match="carrier: expected the sources' dtype"):
         depth_attention_chained([x, x, x], carrier.to(torch.float64), q)
+
+
+def test_a_continuing_point_tracks_only_its_newest_source(backend):
+    """The older sources get their gradients through the carrier, so autograd keeps no edge to them (each would cost
+    its bookkeeping at every point); a point that starts a chain tracks every source."""
+    d = 8
+    xs = [torch.randn(4, d, requires_grad=True) for _ in range(3)]
+    q, gain = torch.randn(d, requires_grad=True), torch.ones(d, requires_grad=True)
+    first, carrier = depth_attention_chained(xs[:2], None, q, gain)
+    out, _ = depth_attention_chained(xs, carrier, q, gain)
+
+    def leaves(t):
+        return [fn.variable for fn, _ in t.grad_fn.next_functions if fn is not None and hasattr(fn, "variable")]
+
+    assert [id(t) for t in leaves(first)] == [id(t) for t in (q, gain, *xs[:2])]
+    assert [id(t) for t in leaves(out)] == [id(t) for t in (q, gain, xs[2])]
+    assert carrier.grad_fn in [fn for fn, _ in out.grad_fn.next_functions]
+    out.sum().backward()
+    assert all(x.grad is not None for x in xs)

@@ -332,26 +332,38 @@ def test_non_contiguous_inputs_and_gradients(source_layout, grad_layout):
     assert_all_close(names, ref, got, TOL[torch.float32])
 
 
-def test_eager_calls_take_the_kernels_directly_with_the_custom_ops_values_and_gradients():
-    """Eagerly, `depth_attention` calls the kernels through its own autograd Function, not the custom op: the values
-    and every gradient are the custom op's, bit for bit (the same kernels given the same arguments)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("frozen", [(), ("q",), ("gain",)], ids=["", "frozen-query", "frozen-gain"])
+def test_eager_calls_take_the_kernels_directly_with_the_custom_ops_values_and_gradients(dtype, frozen):
+    """Eagerly, `depth_attention` calls the kernels through its own autograd Function, not the custom op, and folds the
+    query inside it: the values and every gradient (the query's and the gain's formed by hand, cast back to their
+    dtype) are the custom op's, bit for bit; a frozen query or gain gets none."""
     from attnres.ops.depth_attention import accumulator_dtype, depth_attention_fwd, takes_kernels_directly
 
     g = torch.Generator().manual_seed(5)
-    xs = [torch.randn(3, 7, 24, generator=g, requires_grad=True) for _ in range(4)]
-    q, gain, out_w = (torch.randn(24, generator=g, requires_grad=True) for _ in range(3))
+    xs = [torch.randn(3, 7, 24, generator=g).to(dtype).requires_grad_() for _ in range(4)]
+    params = {name: torch.randn(*shape, generator=g).to(dtype) for name, shape in
+              (("q", (1, 24)), ("gain", (24,)), ("out_w", (24,)))}
+    for name, t in params.items():
+        t.requires_grad_(name not in frozen)
+    q, gain, out_w = params.values()
     assert takes_kernels_directly(xs[0])
-    out, weights = depth_attention(xs, q, gain, out_norm_weight=out_w, return_weights=True)
-    (out.square().sum() + (weights * torch.arange(4.0).view(4, 1, 1)).sum()).backward()
-    eager = [out, weights] + [t.grad for t in (*xs, q, gain, out_w)]
-    for t in (*xs, q, gain, out_w):
-        t.grad = None
-    c = fold_query(q, gain, accumulator_dtype(torch.float32))
-    out, weights, _ = depth_attention_fwd(xs, c, out_w, 1e-6, 1e-6)
-    (out.square().sum() + (weights * torch.arange(4.0).view(4, 1, 1)).sum()).backward()
-    through_op = [out, weights] + [t.grad for t in (*xs, q, gain, out_w)]
-    for a, b in zip(eager, through_op):
-        assert torch.equal(a, b)
+
+    def run(fwd):
+        for t in (*xs, q, gain, out_w):
+            t.grad = None
+        out, weights = fwd()
+        (out.float().square().sum() + (weights * torch.arange(4.0).view(4, 1, 1)).sum()).backward()
+        return [out, weights] + [t.grad for t in (*xs, q, gain, out_w)]
+
+    def through_op():
+        c = fold_query(q, gain, accumulator_dtype(dtype))
+        return depth_attention_fwd(xs, c, out_w, 1e-6, 1e-6)[:2]
+
+    eager = run(lambda: depth_attention(xs, q, gain, out_norm_weight=out_w, return_weights=True))
+    for a, b in zip(eager, run(through_op)):
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+    assert [t.grad is None for t in (q, gain)] == [name in frozen for name in ("q", "gain")]
 
 
 def test_fake_tensors_take_the_custom_op_and_its_fake_kernels():
