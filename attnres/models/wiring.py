@@ -225,8 +225,10 @@ def _passed_on_as_views(state: ResidualState, given: torch.Tensor | ResidualStat
     sources) replaced by a view of it: each layer's outputs are then its own autograd nodes, whose gradients are
     complete when the backward reaches this layer. Hooks on a layer's outputs fire then (FSDP2 gathers the layer's
     parameters for backward from such hooks); on the taken tensor itself they would fire only when the backward
-    reaches the layer that wrote it. Views share storage: nothing is copied."""
-    if not torch.is_grad_enabled():
+    reaches the layer that wrote it. Views share storage: nothing is copied. A Full state with a carrier needs none: the
+    chain's later points track only its newest source and the carrier (`attnres.ops.chain`), both this layer's own,
+    and views of the older sources would never be reached in backward."""
+    if not torch.is_grad_enabled() or state.carrier is not None:
         return state
     taken = {id(given)} if isinstance(given, torch.Tensor) else {id(t) for t in (*given.rows, given.head)}
 
