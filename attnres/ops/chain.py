@@ -27,16 +27,14 @@ from collections.abc import Sequence
 
 import torch
 
-from attnres.ops.backends import select_backend
 from attnres.ops.checks import check_depth_attention
 from attnres.ops.depth_attention import (
     accumulator_dtype,
     depth_attention_fwd,
     fold_query_unrecorded,
+    point_kernels,
     query_grads,
     takes_kernels_directly,
-    torch_depth_attention_bwd_into,
-    torch_depth_attention_fwd,
 )
 
 
@@ -69,13 +67,12 @@ class _ChainedPoint(torch.autograd.Function):
     def forward(ctx, carrier, query, key_norm_weight, out_norm_weight, eps, out_eps, older, *tracked):
         sources = [*older, *tracked]
         x = sources[0]
-        backend = select_backend(x)
-        c, q, g = fold_query_unrecorded(ctx, query, key_norm_weight, accumulator_dtype(x.dtype))
-        fwd = (backend.fwd or torch_depth_attention_fwd) if takes_kernels_directly(x) else depth_attention_fwd
+        ctx.kernels = point_kernels(x)
+        c, folded = fold_query_unrecorded(ctx, query, key_norm_weight, accumulator_dtype(x.dtype))
+        fwd = ctx.kernels.fwd if takes_kernels_directly(x) else depth_attention_fwd
         out, weights, rstd = fwd(sources, c, out_norm_weight, eps, out_eps)
-        ctx.save_for_backward(c, out_norm_weight, weights, rstd, q, g, *sources)
+        ctx.save_for_backward(c, out_norm_weight, weights, rstd, *folded, *sources)
         ctx.eps, ctx.out_eps, ctx.continues = eps, out_eps, carrier is not None
-        ctx.bwd_into = backend.bwd_into or torch_depth_attention_bwd_into
         ctx.set_materialize_grads(False)  # an unused carrier ends the chain: no zero buffer for it
         # the carrier: one element, zero strides (one op)
         return out, torch.empty_strided((len(sources), *x.shape), (0,) * (x.dim() + 1), dtype=x.dtype, device=x.device)
@@ -92,7 +89,7 @@ class _ChainedPoint(torch.autograd.Function):
             into = grad_carrier if grad_carrier.is_contiguous() else grad_carrier.contiguous()
         else:
             into = torch.empty((len(sources), *x.shape), dtype=x.dtype, device=x.device)
-        dc, d_out_w = ctx.bwd_into(
+        dc, d_out_w = ctx.kernels.bwd_into(
             grad_out.contiguous(), None, sources, c, out_norm_weight, weights, rstd, ctx.eps, ctx.out_eps, into,
             accumulate,
         )

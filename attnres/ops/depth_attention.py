@@ -17,7 +17,8 @@ traces through it; the public function validates, folds `c` with ordinary autogr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -33,8 +34,18 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 def fold_query(query: torch.Tensor, key_norm_weight: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
     """c = g * w in the accumulator dtype (docs/design.md section 2, step 1): scoring against c equals scoring the
     RMS-normed key."""
-    c = query.reshape(-1).to(acc)
-    return c if key_norm_weight is None else c * key_norm_weight.to(acc)
+    return _fold(*query_parts(query, key_norm_weight, acc))
+
+
+def query_parts(
+    query: torch.Tensor, key_norm_weight: torch.Tensor | None, acc: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(w as `[d]`, g) in the accumulator dtype: what `fold_query` folds."""
+    return query.reshape(-1).to(acc), None if key_norm_weight is None else key_norm_weight.to(acc)
+
+
+def _fold(q: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    return q if g is None else q * g
 
 
 def rms_normalize(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,16 +160,31 @@ def _torch_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rst
 # where a backend has none); each dispatches to the kernel of the backend that serves the sources.
 
 
+class PointKernels(NamedTuple):
+    fwd: Callable
+    bwd: Callable
+    bwd_into: Callable
+
+
+def point_kernels(x: torch.Tensor) -> PointKernels:
+    """The one-shot kernels of the backend that serves sources like `x`, the torch ones where it has none: one lookup
+    serves a point's forward and its backward."""
+    backend = select_backend(x)
+    return PointKernels(
+        backend.fwd or torch_depth_attention_fwd,
+        backend.bwd or torch_depth_attention_bwd,
+        backend.bwd_into or torch_depth_attention_bwd_into,
+    )
+
+
 def kernel_fwd(sources, c, out_norm_weight, eps, out_eps):
     """`depth_attention_fwd`'s work without the custom op around it: the serving backend's kernel."""
-    fwd = select_backend(sources[0]).fwd or torch_depth_attention_fwd
-    return fwd(sources, c, out_norm_weight, eps, out_eps)
+    return point_kernels(sources[0]).fwd(sources, c, out_norm_weight, eps, out_eps)
 
 
 def kernel_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps):
     """`depth_attention_bwd`'s work without the custom op around it: the serving backend's kernel."""
-    bwd = select_backend(sources[0]).bwd or torch_depth_attention_bwd
-    return bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps)
+    return point_kernels(sources[0]).bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps)
 
 
 @torch.library.custom_op("attnres::depth_attention_fwd", mutates_args=())
@@ -239,14 +265,14 @@ def takes_kernels_directly(x: torch.Tensor) -> bool:
 
 def fold_query_unrecorded(
     ctx, query: torch.Tensor, key_norm_weight: torch.Tensor | None, acc: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`fold_query` inside an autograd Function's forward, where autograd records nothing: (c, q, g), q and g being
-    the query `[d]` and the gain in the accumulator dtype, which `query_grads` needs. An aggregation point then has no
-    fold of its own in the graph (a multiply, a cast and a view at every point, forward and backward)."""
-    q = query.reshape(-1).to(acc)
-    g = None if key_norm_weight is None else key_norm_weight.to(acc)
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """`fold_query` inside an autograd Function's forward, where autograd records nothing: (c, (q, g)), the query
+    `[d]` and the gain in the accumulator dtype that `query_grads` needs, or (None, None) without a gain (dc is then
+    the query's gradient itself). An aggregation point then has no fold of its own in the graph (a multiply, a cast and
+    a view at every point, forward and backward)."""
+    q, g = query_parts(query, key_norm_weight, acc)
     ctx.query_layout = query.dtype, query.shape, None if g is None else key_norm_weight.dtype
-    return (q if g is None else q * g), q, g
+    return _fold(q, g), (None, None) if g is None else (q, g)
 
 
 def query_grads(ctx, dc, q, g, needs_query: bool, needs_gain: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -266,19 +292,17 @@ class _EagerPoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key_norm_weight, out_norm_weight, eps, out_eps, *sources):
         x = sources[0]
-        backend = select_backend(x)
-        c, q, g = fold_query_unrecorded(ctx, query, key_norm_weight, accumulator_dtype(x.dtype))
-        fwd = backend.fwd or torch_depth_attention_fwd
-        out, weights, rstd = fwd(list(sources), c, out_norm_weight, eps, out_eps)
-        _save(ctx, c, out_norm_weight, weights, rstd, sources, eps, out_eps, (q, g))
-        ctx.bwd = backend.bwd or torch_depth_attention_bwd
+        ctx.kernels = point_kernels(x)
+        c, folded = fold_query_unrecorded(ctx, query, key_norm_weight, accumulator_dtype(x.dtype))
+        out, weights, rstd = ctx.kernels.fwd(list(sources), c, out_norm_weight, eps, out_eps)
+        _save(ctx, c, out_norm_weight, weights, rstd, sources, eps, out_eps, folded)
         ctx.mark_non_differentiable(rstd)
         ctx.set_materialize_grads(False)
         return out, weights, rstd
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights, grad_rstd):
-        grads, dc, d_out_w, (q, g) = _point_backward(ctx, grad_out, grad_weights, ctx.bwd)
+        grads, dc, d_out_w, (q, g) = _point_backward(ctx, grad_out, grad_weights, ctx.kernels.bwd)
         d_query, d_gain = query_grads(ctx, dc, q, g, *ctx.needs_input_grad[:2])
         return d_query, d_gain, d_out_w, None, None, *grads
 

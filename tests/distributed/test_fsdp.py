@@ -1,7 +1,8 @@
 """FSDP2 per whole decoder layer (`apply_fsdp`) on 2 gloo ranks: a layer's full parameters exist only while it runs,
 forward and backward, and the loss and every gradient equal the one-process model's (the training curve is compared in
-test_data_parallel.py). A layer hands on the rows it does not change as views of its own; without them FSDP2 would
-gather a layer again when the backward reaches the layer that wrote those rows, and the checks below fail."""
+test_data_parallel.py). A layer hands on the rows it does not change, and that later layers track, as views of its
+own (Block's bank rows; a Full chain's later points track only their newest source and the carrier); without them FSDP2
+would gather a layer again when the backward reaches the layer that wrote those rows, and the checks below fail."""
 
 import pytest
 import torch
