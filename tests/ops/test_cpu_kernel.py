@@ -164,18 +164,20 @@ def test_fp32_weights_are_softmax_to_a_few_ulp():
 
 
 def test_a_token_is_computed_alone_whatever_its_tile():
-    """Tokens are taken in tiles of 16, their scalar steps as vectors across the tile: each token's output, weights,
-    rstd and gradients are still bit for bit what it gets alone (one token, as the fused bank ops run it), and a NaN
-    in one token stays in that token."""
-    sources, c, out_w, grad_out, grad_weights = make_case(7, (37,), 40, torch.float32, True, True, score_scale=3.0)
-    sources[3][20, 5] = float("nan")
+    """Tokens are taken in tiles (16 in the forward, up to 64 in the backward), their scalar steps as vectors across
+    the tile: each token's output, weights, rstd and gradients are still bit for bit what it gets alone (one token,
+    as the fused bank ops run it), and a NaN in one token stays in that token, also in the lanes that a later, partial
+    tile leaves unused."""
+    n_tok = 150  # backward tiles of 64, 64 and 22 tokens
+    sources, c, out_w, grad_out, grad_weights = make_case(7, (n_tok,), 40, torch.float32, True, True, score_scale=3.0)
+    sources[3][20, 5] = sources[3][64 + 25, 0] = float("nan")
 
     def same(a, b):  # bit for bit, NaN where the other has NaN
         return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
     out, weights, rstd = cpu.cpu_depth_attention_fwd(sources, c, out_w, EPS, OUT_EPS)
     grads, _, _ = cpu.cpu_depth_attention_bwd(grad_out, grad_weights, sources, c, out_w, weights, rstd, EPS, OUT_EPS)
-    for t in range(37):
+    for t in range(n_tok):
         alone = [x[t : t + 1] for x in sources]
         o, w, r = cpu.cpu_depth_attention_fwd(alone, c, out_w, EPS, OUT_EPS)
         g, _, _ = cpu.cpu_depth_attention_bwd(
@@ -183,8 +185,8 @@ def test_a_token_is_computed_alone_whatever_its_tile():
         )
         assert same(out[t : t + 1], o) and same(weights[:, t : t + 1], w) and same(rstd[:, t : t + 1], r), t
         assert all(same(a[t : t + 1], b) for a, b in zip(grads, g)), t
-    assert out[20].isnan().all() and weights[:, 20].isnan().all()
-    finite = torch.arange(37) != 20
+    assert out[[20, 89]].isnan().all() and weights[:, [20, 89]].isnan().all()
+    finite = (torch.arange(n_tok) != 20) & (torch.arange(n_tok) != 89)
     assert out[finite].isfinite().all() and weights[:, finite].isfinite().all()
 
 
