@@ -8,7 +8,8 @@
 //    output in registers while the R rows stream past. When the rows of a token do not fit in L2 they are taken in
 //    groups merged by an online softmax (running max, rescaled partial sum);
 //  - backward: (with the output norm: mix again, for its gradient), dot each row with c and dm, then write every
-//    source gradient in one pass that accumulates dc from the same loads;
+//    source gradient in one pass that accumulates dc from the same loads. Short rows are taken in tiles of tokens,
+//    source by source, with the softmax backward as vectors across the tile; long ones a token at a time;
 //  - phase 1 (forward and backward): the same two passes with S queries at once, so each source row is read from
 //    memory once for all of them; the second pass goes through d in L1-sized chunks, each chunk of the rows
 //    serving every query;
