@@ -625,8 +625,8 @@ void forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const t
 // rows within kHotBytes; d = 96 in fp32: up to 42 sources): each pass then walks one source's rows of the tile (one
 // contiguous stream from memory) before the next source's, and the per-token scalar steps (the softmax backward) run
 // as vectors across the tile, where one token at a time they cost as much as its few registers of arithmetic. Longer
-// rows are taken one token at a time, its rows read side by side: tiles measured no faster from d = 192 (fp32) and
-// slower at 512 (docs/benchmarks.md).
+// rows are taken one token at a time, its rows read side by side (backward_token): tiles measured no faster from
+// d = 192 (fp32) and slower at 512 (docs/benchmarks.md). 1: no tiles.
 constexpr int64_t kBackwardTile = 64;
 constexpr int64_t kShortRowBytes = 512;
 
@@ -634,21 +634,6 @@ inline int64_t backward_tile_tokens(int64_t n_src, int64_t d, int64_t bytes) {
   const int64_t tile = std::clamp<int64_t>(kHotBytes / (n_src * d * bytes), 1, kBackwardTile);
   return d * bytes <= kShortRowBytes && tile >= kTile ? tile : 1;
 }
-
-// Per-thread scratch of backward_tile: the tile's gradient rows, and at [j * lanes + t] each row's weight, key rstd,
-// two dot products and two coefficients.
-template <class A>
-struct BackwardScratch {
-  static constexpr int64_t lanes = kBackwardTile;
-  static_assert(lanes % kWidth<A> == 0, "a tile's values of one source must fill whole registers");
-  std::vector<A> dm, mix, alpha, rstd, xc, g, coef, shrink, token;
-  std::vector<Vec<A>> dots;
-  std::vector<const void*> x;
-  BackwardScratch(int64_t n_src, int64_t d, int64_t tile, bool out_norm)
-      : dm(tile * d), mix(out_norm ? d : 0), alpha(n_src * lanes), rstd(n_src * lanes), xc(n_src * lanes),
-        g(n_src * lanes), coef(n_src * lanes), shrink(n_src * lanes), token(2 * n_src), dots(6 * n_src),
-        x(n_src) {}
-};
 
 // Backward of the output norm (o * RMSNorm of the mixture m) for one token: turns dm, the gradient reaching the
 // output, into the one reaching m, and adds the gain's gradient into dw_acc.
@@ -677,63 +662,77 @@ inline void out_norm_backward(A* dm, const A* mix, const A* out_w, double out_ep
   for (; i < d; ++i) dm[i] = r * dm[i] * out_w[i] - k * mix[i];
 }
 
-// The backward for a tile of n tokens from n0 (see backward_tile_tokens). Accumulate: add the source gradients onto
+// The arguments every backward pass shares. Accumulate (a template flag of the passes): add the source gradients onto
 // what `grads` holds (a chain of Full points, attnres/ops/chain.py) instead of writing them; their lines are asked for
-// (a prefetch to write) as the dot pass reads the same rows' sources, so that their loads overlap it.
+// (a prefetch to write) as the dot pass reads the sources, so that their loads overlap the passes before the last.
+template <class K>
+struct BackwardArgs {
+  using A = typename K::acc;
+  Rows<const typename K::raw> grad_out;
+  const A* grad_weights;
+  const std::vector<Rows<const typename K::raw>>& src;
+  const A *c, *out_w, *weights, *rstd;
+  double out_eps;
+  int64_t n_tok, d;
+  const std::vector<typename K::raw*>& grads;
+};
+
+// Per-thread scratch of backward_tile: the tile's gradient rows, and at [j * lanes + t] each row's weight, key rstd,
+// two dot products and two coefficients, and one token's rows.
+template <class K, class A = typename K::acc>
+struct BackwardScratch {
+  static constexpr int64_t lanes = kBackwardTile;
+  static_assert(lanes % kWidth<A> == 0, "a tile's values of one source must fill whole registers");
+  std::vector<A> dm, mix, alpha, rstd, xc, g, coef, shrink, token;
+  std::vector<Vec<A>> dots;
+  std::vector<const typename K::raw*> x;
+  BackwardScratch(int64_t n_src, int64_t d, int64_t tile, bool out_norm)
+      : dm(tile * d), mix(out_norm ? d : 0), alpha(n_src * lanes), rstd(n_src * lanes), xc(n_src * lanes),
+        g(n_src * lanes), coef(n_src * lanes), shrink(n_src * lanes), token(n_src), dots(6), x(n_src) {}
+};
+
+// The backward for a tile of n short-row tokens from n0, source by source (see backward_tile_tokens).
 template <class K, bool Accumulate>
-void backward_tile(Rows<const typename K::raw> grad_out, const typename K::acc* grad_weights,
-                   const std::vector<Rows<const typename K::raw>>& src, const typename K::acc* c,
-                   const typename K::acc* out_w, const typename K::acc* weights, const typename K::acc* rstd,
-                   double out_eps, int64_t n_tok, int64_t d, const std::vector<typename K::raw*>& grads, int64_t n0,
-                   int64_t n, BackwardScratch<typename K::acc>& s, typename K::acc* dc_acc, typename K::acc* dw_acc) {
+void backward_tile(const BackwardArgs<K>& a, int64_t n0, int64_t n, BackwardScratch<K>& s,
+                   typename K::acc* dc_acc, typename K::acc* dw_acc) {
   using A = typename K::acc;
   using R = typename K::raw;
   using P = Plain<A>;
-  constexpr int64_t w = kWidth<A>, L = BackwardScratch<A>::lanes, line = 64 / sizeof(R);
-  const int64_t n_src = int64_t(src.size());
-  auto ask_for_sums = [&](int64_t j, int64_t t) {
-    if constexpr (Accumulate)
-      for (int64_t i = 0; i < d; i += line) __builtin_prefetch(grads[j] + (n0 + t) * d + i, 1, 3);
-  };
-  const R** x = reinterpret_cast<const R**>(s.x.data());  // one token's rows
+  constexpr int64_t w = kWidth<A>, L = BackwardScratch<K>::lanes, line = 64 / sizeof(R);
+  const int64_t n_src = int64_t(a.src.size()), d = a.d;
   for (int64_t j = 0; j < n_src; ++j)
     for (int64_t t = 0; t < n; ++t) {  // lanes past n are never read back: each lane is its own token's
-      s.alpha[j * L + t] = weights[j * n_tok + n0 + t];
-      s.rstd[j * L + t] = rstd[j * n_tok + n0 + t];
+      s.alpha[j * L + t] = a.weights[j * a.n_tok + n0 + t];
+      s.rstd[j * L + t] = a.rstd[j * a.n_tok + n0 + t];
     }
   for (int64_t t = 0; t < n; ++t) {
     A* dm = s.dm.data() + t * d;
-    load_row<K>(dm, grad_out[n0 + t], d);
-    if (out_w != nullptr) {  // dm becomes the gradient reaching the mixture, mixed again here
-      for (int64_t j = 0; j < n_src; ++j) x[j] = src[j][n0 + t], s.token[j] = s.alpha[j * L + t];
-      mix_rows<K>(x, s.token.data(), n_src, false, A(0), d, s.mix.data());
-      out_norm_backward(dm, s.mix.data(), out_w, out_eps, d, dw_acc);
+    load_row<K>(dm, a.grad_out[n0 + t], d);
+    if (a.out_w != nullptr) {  // dm becomes the gradient reaching the mixture, mixed again here
+      for (int64_t j = 0; j < n_src; ++j) s.x[j] = a.src[j][n0 + t], s.token[j] = s.alpha[j * L + t];
+      mix_rows<K>(s.x.data(), s.token.data(), n_src, false, A(0), d, s.mix.data());
+      out_norm_backward(dm, s.mix.data(), a.out_w, a.out_eps, d, dw_acc);
     }
   }
-  // c . x_j and dm . x_j for every row: a lone token's rows side by side, a tile's source by source
-  if (n == 1) {
-    const A* y[2] = {c, s.dm.data()};
-    for (int64_t j = 0; j < n_src; ++j) x[j] = src[j][n0], ask_for_sums(j, 0);
-    dot_rows<K>(x, n_src, y, 2, d, s.dots.data(), s.token.data(), nullptr);
-    for (int64_t j = 0; j < n_src; ++j) s.xc[j * L] = s.token[2 * j], s.g[j * L] = s.token[2 * j + 1];
-  } else {
-    for (int64_t j = 0; j < n_src; ++j)
-      for (int64_t t = 0; t < n; ++t) {
-        const R* row = src[j][n0 + t];
-        const A* y[2] = {c, s.dm.data() + t * d};
-        ask_for_sums(j, t);
-        dot_rows<K>(&row, 1, y, 2, d, s.dots.data(), s.token.data(), nullptr);
-        s.xc[j * L + t] = s.token[0], s.g[j * L + t] = s.token[1];
-      }
-  }
+  // c . x_j and dm . x_j for every row
+  for (int64_t j = 0; j < n_src; ++j)
+    for (int64_t t = 0; t < n; ++t) {
+      const R* row = a.src[j][n0 + t];
+      const A* y[2] = {a.c, s.dm.data() + t * d};
+      A out[2];
+      if constexpr (Accumulate)
+        for (int64_t i = 0; i < d; i += line) __builtin_prefetch(a.grads[j] + (n0 + t) * d + i, 1, 3);
+      dot_rows<K>(&row, 1, y, 2, d, s.dots.data(), out, nullptr);
+      s.xc[j * L + t] = out[0], s.g[j * L + t] = out[1];
+    }
   // softmax backward, as vectors across the tile: ds_j = alpha_j (g_j - sum_k alpha_k g_k), g_j = dm . x_j (+ the
   // weights' own gradient); coef_j reaches c . x_j, shrink_j reaches x_j through its rstd
   for (int64_t t0 = 0; t0 < n; t0 += w) {
     Vec<A> delta = {};
     for (int64_t j = 0; j < n_src; ++j) {
       A* g = s.g.data() + j * L + t0;
-      if (grad_weights != nullptr)
-        for (int64_t t = t0; t < std::min(n, t0 + w); ++t) g[t - t0] += grad_weights[j * n_tok + n0 + t];
+      if (a.grad_weights != nullptr)
+        for (int64_t t = t0; t < std::min(n, t0 + w); ++t) g[t - t0] += a.grad_weights[j * a.n_tok + n0 + t];
       delta += P::vload(s.alpha.data() + j * L + t0) * P::vload(g);
     }
     for (int64_t j = 0; j < n_src; ++j) {
@@ -744,79 +743,120 @@ void backward_tile(Rows<const typename K::raw> grad_out, const typename K::acc* 
       P::vstore(s.shrink.data() + at, coef * (P::vload(s.xc.data() + at) * r) * r / splat(A(d)));
     }
   }
-  // dx_j = alpha_j dm + coef_j c - shrink_j x_j and dc += coef_j x_j
-  if (n == 1) {  // a lone token: one block of d at a time across its rows, the blocks of dm, c and dc in registers
-    auto dx_block = [&]<int64_t U>(int64_t i) {
-      Vec<A> dmv[U], cv[U], dcv[U] = {};
-      for (int64_t k = 0; k < U; ++k) dmv[k] = P::vload(s.dm.data() + i + k * w), cv[k] = P::vload(c + i + k * w);
-      for (int64_t j = 0; j < n_src; ++j) {
-        const Vec<A> a = splat(s.alpha[j * L]), cj = splat(s.coef[j * L]), sj = splat(s.shrink[j * L]);
-        R* dxj = grads[j] + n0 * d;
-        for (int64_t k = 0; k < U; ++k) {
-          const Vec<A> xv = K::vload(x[j] + i + k * w), g = a * dmv[k] + cj * cv[k] - sj * xv;
-          K::vstore(dxj + i + k * w, Accumulate ? K::vload(dxj + i + k * w) + g : g);
-          dcv[k] += cj * xv;
-        }
-      }
-      for (int64_t k = 0; k < U; ++k) P::vstore(dc_acc + i + k * w, P::vload(dc_acc + i + k * w) + dcv[k]);
-    };
-    int64_t i = 0;
-    for (; i + kUnroll * w <= d; i += kUnroll * w) dx_block.template operator()<kUnroll>(i);
-    for (; i + w <= d; i += w) dx_block.template operator()<1>(i);
-    for (; i < d; ++i)
-      for (int64_t j = 0; j < n_src; ++j) {
-        R* dxj = grads[j] + n0 * d;
-        const A xv = K::load(x[j][i]);
-        const A g = s.alpha[j * L] * s.dm[i] + s.coef[j * L] * c[i] - s.shrink[j * L] * xv;
-        dxj[i] = K::store(Accumulate ? K::load(dxj[i]) + g : g);
-        dc_acc[i] += s.coef[j * L] * xv;
-      }
-    return;
-  }
-  for (int64_t j = 0; j < n_src; ++j)  // a tile: source by source, row by row
+  // dx_j = alpha_j dm + coef_j c - shrink_j x_j and dc += coef_j x_j, source by source, row by row
+  for (int64_t j = 0; j < n_src; ++j)
     for (int64_t t = 0; t < n; ++t) {
-      const R* xr = src[j][n0 + t];
-      R* dx = grads[j] + (n0 + t) * d;
+      const R* x = a.src[j][n0 + t];
+      R* dx = a.grads[j] + (n0 + t) * d;
       const A* dm = s.dm.data() + t * d;
-      const A a = s.alpha[j * L + t], cj = s.coef[j * L + t], sj = s.shrink[j * L + t];
+      const A al = s.alpha[j * L + t], cj = s.coef[j * L + t], sj = s.shrink[j * L + t];
       int64_t i = 0;
       for (; i + w <= d; i += w) {
-        const Vec<A> xv = K::vload(xr + i);
-        const Vec<A> g = splat(a) * P::vload(dm + i) + splat(cj) * P::vload(c + i) - splat(sj) * xv;
+        const Vec<A> xv = K::vload(x + i);
+        const Vec<A> g = splat(al) * P::vload(dm + i) + splat(cj) * P::vload(a.c + i) - splat(sj) * xv;
         K::vstore(dx + i, Accumulate ? K::vload(dx + i) + g : g);
         P::vstore(dc_acc + i, P::vload(dc_acc + i) + splat(cj) * xv);
       }
       for (; i < d; ++i) {
-        const A xv = K::load(xr[i]);
-        const A g = a * dm[i] + cj * c[i] - sj * xv;
+        const A xv = K::load(x[i]);
+        const A g = al * dm[i] + cj * a.c[i] - sj * xv;
         dx[i] = K::store(Accumulate ? K::load(dx[i]) + g : g);
         dc_acc[i] += cj * xv;
       }
     }
 }
 
+// The backward for the tokens begin .. end one at a time (long rows), each token's rows read side by side.
 template <class K, bool Accumulate>
-void backward_kernel(Rows<const typename K::raw> grad_out, const typename K::acc* grad_weights,
-                     const std::vector<Rows<const typename K::raw>>& src, const typename K::acc* c,
-                     const typename K::acc* out_w, const typename K::acc* weights, const typename K::acc* rstd,
-                     double out_eps, int64_t n_tok, int64_t d, const std::vector<typename K::raw*>& grads,
-                     typename K::acc* dc, typename K::acc* d_out_w) {
+void backward_token(const BackwardArgs<K>& a, int64_t begin, int64_t end, typename K::acc* dc_acc,
+                    typename K::acc* dw_acc) {
   using A = typename K::acc;
-  const int64_t n_src = int64_t(src.size()), tile = backward_tile_tokens(n_src, d, sizeof(typename K::raw));
+  using R = typename K::raw;
+  using P = Plain<A>;
+  constexpr int64_t w = kWidth<A>, block = kUnroll * w;
+  const int64_t n_src = int64_t(a.src.size()), d = a.d;
+  const A* c = a.c;
+  // dots[2j] = c . x_j, dots[2j + 1] = dm . x_j
+  std::vector<A> dm(d), mix(a.out_w ? d : 0), alpha(n_src), dots(2 * n_src), coef(n_src), shrink(n_src);
+  std::vector<Vec<A>> scratch(6 * n_src);
+  std::vector<const R*> x(n_src);
+  std::vector<R*> dx(n_src);
+  const A* const y[2] = {c, dm.data()};
+  for (int64_t n = begin; n < end; ++n) {
+    for (int64_t j = 0; j < n_src; ++j) {
+      x[j] = a.src[j][n], dx[j] = a.grads[j] + n * d;
+      alpha[j] = a.weights[j * a.n_tok + n];
+    }
+    if constexpr (Accumulate) {
+      constexpr int64_t line = 64 / sizeof(R);
+      for (int64_t j = 0; j < n_src; ++j)
+        for (int64_t i = 0; i < d; i += line) __builtin_prefetch(dx[j] + i, 1, 3);
+    }
+    load_row<K>(dm.data(), a.grad_out[n], d);
+    if (a.out_w != nullptr) {  // dm becomes the gradient reaching the mixture, mixed again here
+      mix_rows<K>(x.data(), alpha.data(), n_src, false, A(0), d, mix.data());
+      out_norm_backward(dm.data(), mix.data(), a.out_w, a.out_eps, d, dw_acc);
+    }
+    // softmax backward: ds_j = alpha_j (g_j - sum_k alpha_k g_k), g_j = dm . x_j (+ the weights' own gradient)
+    dot_rows<K>(x.data(), n_src, y, 2, d, scratch.data(), dots.data(), nullptr);
+    A delta = 0;
+    for (int64_t j = 0; j < n_src; ++j) {
+      coef[j] = dots[2 * j + 1] + (a.grad_weights ? a.grad_weights[j * a.n_tok + n] : A(0));  // g_j for now
+      delta += alpha[j] * coef[j];
+    }
+    for (int64_t j = 0; j < n_src; ++j) {
+      const A r = a.rstd[j * a.n_tok + n];
+      coef[j] = alpha[j] * (coef[j] - delta) * r;     // the gradient reaching c . x_j
+      shrink[j] = coef[j] * (dots[2 * j] * r) * r / A(d);  // ... and reaching x_j through its rstd
+    }
+    // dx_j = alpha_j dm + coef_j c - shrink_j x_j and dc += coef_j x_j, one block of d at a time: the blocks of
+    // dm, c and dc stay in registers across the R rows (blocks of kUnroll registers, then single ones)
+    auto dx_block = [&]<int64_t U>(int64_t i) {
+      Vec<A> dmv[U], cv[U], dcv[U] = {};
+      for (int64_t k = 0; k < U; ++k) dmv[k] = P::vload(dm.data() + i + k * w), cv[k] = P::vload(c + i + k * w);
+      for (int64_t j = 0; j < n_src; ++j) {
+        const Vec<A> al = splat(alpha[j]), cj = splat(coef[j]), sj = splat(shrink[j]);
+        for (int64_t k = 0; k < U; ++k) {
+          const Vec<A> xv = K::vload(x[j] + i + k * w), g = al * dmv[k] + cj * cv[k] - sj * xv;
+          K::vstore(dx[j] + i + k * w, Accumulate ? K::vload(dx[j] + i + k * w) + g : g);
+          dcv[k] += cj * xv;
+        }
+      }
+      for (int64_t k = 0; k < U; ++k) P::vstore(dc_acc + i + k * w, P::vload(dc_acc + i + k * w) + dcv[k]);
+    };
+    int64_t i = 0;
+    for (; i + block <= d; i += block) dx_block.template operator()<kUnroll>(i);
+    for (; i + w <= d; i += w) dx_block.template operator()<1>(i);
+    for (; i < d; ++i) {
+      for (int64_t j = 0; j < n_src; ++j) {
+        const A xv = K::load(x[j][i]);
+        const A g = alpha[j] * dm[i] + coef[j] * c[i] - shrink[j] * xv;
+        dx[j][i] = K::store(Accumulate ? K::load(dx[j][i]) + g : g);
+        dc_acc[i] += coef[j] * xv;
+      }
+    }
+  }
+}
+
+template <class K, bool Accumulate>
+void backward_kernel(const BackwardArgs<K>& a, typename K::acc* dc, typename K::acc* d_out_w) {
+  using A = typename K::acc;
+  const int64_t n_src = int64_t(a.src.size()), d = a.d;
+  const int64_t tile = backward_tile_tokens(n_src, d, sizeof(typename K::raw));
   // per-thread partial sums of dc and d_out_w, added up in thread order after the loop (deterministic)
   const int64_t n_threads = at::get_num_threads();
-  std::vector<A> dc_part(n_threads * d, A(0)), dw_part(out_w ? n_threads * d : 0, A(0));
-  at::parallel_for(0, n_tok, std::max(grain_size(n_src, d), tile), [&](int64_t begin, int64_t end) {
+  std::vector<A> dc_part(n_threads * d, A(0)), dw_part(a.out_w ? n_threads * d : 0, A(0));
+  at::parallel_for(0, a.n_tok, std::max(grain_size(n_src, d), tile), [&](int64_t begin, int64_t end) {
     A* dc_acc = dc_part.data() + at::get_thread_num() * d;
-    A* dw_acc = out_w ? dw_part.data() + at::get_thread_num() * d : nullptr;
-    BackwardScratch<A> s(n_src, d, std::min(tile, end - begin), out_w != nullptr);
+    A* dw_acc = a.out_w ? dw_part.data() + at::get_thread_num() * d : nullptr;
+    if (tile == 1) return backward_token<K, Accumulate>(a, begin, end, dc_acc, dw_acc);
+    BackwardScratch<K> s(n_src, d, std::min(tile, end - begin), a.out_w != nullptr);
     for (int64_t n0 = begin; n0 < end; n0 += tile)
-      backward_tile<K, Accumulate>(grad_out, grad_weights, src, c, out_w, weights, rstd, out_eps, n_tok, d, grads, n0,
-                                   std::min(tile, end - n0), s, dc_acc, dw_acc);
+      backward_tile<K, Accumulate>(a, n0, std::min(tile, end - n0), s, dc_acc, dw_acc);
   });
   for (int64_t t = 0; t < n_threads; ++t) {
     for (int64_t i = 0; i < d; ++i) dc[i] += dc_part[t * d + i];
-    if (out_w != nullptr)
+    if (a.out_w != nullptr)
       for (int64_t i = 0; i < d; ++i) d_out_w[i] += dw_part[t * d + i];
   }
 }
@@ -1136,10 +1176,12 @@ std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out,
     using K = decltype(k);
     using A = typename K::acc;
     using R = typename K::raw;
+    const auto src = p.source_rows<R>();
+    const auto into = pointers<R>(grads);
+    const BackwardArgs<K> args{rows_of<const R>(g), data_or_null<A>(gw), src, cv.data_ptr<A>(), data_or_null<A>(out_w),
+                               w.data_ptr<A>(), r.data_ptr<A>(), out_eps, p.n_tok, p.d, into};
     auto run = accumulate ? backward_kernel<K, true> : backward_kernel<K, false>;
-    run(rows_of<const R>(g), data_or_null<A>(gw), p.source_rows<R>(), cv.data_ptr<A>(), data_or_null<A>(out_w),
-        w.data_ptr<A>(), r.data_ptr<A>(), out_eps, p.n_tok, p.d, pointers<R>(grads), dc.data_ptr<A>(),
-        d_out_w.data_ptr<A>());
+    run(args, dc.data_ptr<A>(), d_out_w.data_ptr<A>());
   });
   return {dc, d_out_w};
 }
