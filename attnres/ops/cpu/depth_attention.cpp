@@ -8,8 +8,8 @@
 //    output in registers while the R rows stream past. When the rows of a token do not fit in L2 they are taken in
 //    groups merged by an online softmax (running max, rescaled partial sum);
 //  - backward: (with the output norm: mix again, for its gradient), dot each row with c and dm, then write every
-//    source gradient in one pass that accumulates dc from the same loads. Short rows are taken in tiles of tokens,
-//    source by source, with the softmax backward as vectors across the tile; long ones a token at a time;
+//    source gradient in one pass that accumulates dc from the same loads. Tokens whose rows fit are taken in tiles,
+//    source by source, with the softmax backward as vectors across the tile; longer rows a token at a time;
 //  - phase 1 (forward and backward): the same two passes with S queries at once, so each source row is read from
 //    memory once for all of them; the second pass goes through d in L1-sized chunks, each chunk of the rows
 //    serving every query;
@@ -621,18 +621,17 @@ void forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const t
   });
 }
 
-// Tokens that the backward takes together when rows are short (at most kShortRowBytes, and at least kTile tokens'
-// rows within kHotBytes; d = 96 in fp32: up to 42 sources): each pass then walks one source's rows of the tile (one
-// contiguous stream from memory) before the next source's, and the per-token scalar steps (the softmax backward) run
-// as vectors across the tile, where one token at a time they cost as much as its few registers of arithmetic. Longer
-// rows are taken one token at a time, its rows read side by side (backward_token): tiles measured no faster from
-// d = 192 (fp32) and slower at 512 (docs/benchmarks.md). 1: no tiles.
+// Tokens that the backward takes together, when at least kTile tokens' rows fit in kHotBytes (d = 96 in fp32: up to
+// 42 sources): each pass then walks one source's rows of the tile (one contiguous stream from memory) before the next
+// source's, and the per-token scalar steps (the softmax backward) run as vectors across the tile, where one token at
+// a time they cost as much as a short row's few registers of arithmetic. Otherwise tokens are taken one at a time,
+// their rows read side by side (backward_token), as before tiles. Tiles measured faster at d = 96 to 256 and level at
+// 512 in fp32 (docs/benchmarks.md). 1: no tiles.
 constexpr int64_t kBackwardTile = 64;
-constexpr int64_t kShortRowBytes = 512;
 
 inline int64_t backward_tile_tokens(int64_t n_src, int64_t d, int64_t bytes) {
   const int64_t tile = std::clamp<int64_t>(kHotBytes / (n_src * d * bytes), 1, kBackwardTile);
-  return d * bytes <= kShortRowBytes && tile >= kTile ? tile : 1;
+  return tile >= kTile ? tile : 1;
 }
 
 // Backward of the output norm (o * RMSNorm of the mixture m) for one token: turns dm, the gradient reaching the
@@ -691,7 +690,7 @@ struct BackwardScratch {
         g(n_src * lanes), coef(n_src * lanes), shrink(n_src * lanes), token(n_src), dots(6), x(n_src) {}
 };
 
-// The backward for a tile of n short-row tokens from n0, source by source (see backward_tile_tokens).
+// The backward for a tile of n tokens from n0, source by source (see backward_tile_tokens).
 template <class K, bool Accumulate>
 void backward_tile(const BackwardArgs<K>& a, int64_t n0, int64_t n, BackwardScratch<K>& s,
                    typename K::acc* dc_acc, typename K::acc* dw_acc) {
@@ -766,7 +765,8 @@ void backward_tile(const BackwardArgs<K>& a, int64_t n0, int64_t n, BackwardScra
     }
 }
 
-// The backward for the tokens begin .. end one at a time (long rows), each token's rows read side by side.
+// The backward for the tokens begin .. end one at a time (rows too long for tiles), each token's rows read side by
+// side.
 template <class K, bool Accumulate>
 void backward_token(const BackwardArgs<K>& a, int64_t begin, int64_t end, typename K::acc* dc_acc,
                     typename K::acc* dw_acc) {
