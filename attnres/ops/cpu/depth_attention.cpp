@@ -625,8 +625,8 @@ void forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const t
 // 42 sources): each pass then walks one source's rows of the tile (one contiguous stream from memory) before the next
 // source's, and the per-token scalar steps (the softmax backward) run as vectors across the tile, where one token at
 // a time they cost as much as a short row's few registers of arithmetic. Otherwise tokens are taken one at a time,
-// their rows read side by side (backward_token), as before tiles. Tiles measured faster at d = 96 to 256 and level at
-// 512 in fp32 (docs/benchmarks.md). 1: no tiles.
+// their rows read side by side (backward_token), as before tiles. Against that code, tiles measured faster at d = 96
+// and 192 in fp32, level to faster at 256 and level at 512 (docs/benchmarks.md). 1: no tiles.
 constexpr int64_t kBackwardTile = 64;
 
 inline int64_t backward_tile_tokens(int64_t n_src, int64_t d, int64_t bytes) {
