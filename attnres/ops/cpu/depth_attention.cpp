@@ -661,6 +661,20 @@ inline void out_norm_backward(A* dm, const A* mix, const A* out_w, double out_ep
   for (; i < d; ++i) dm[i] = r * dm[i] * out_w[i] - k * mix[i];
 }
 
+// The softmax backward of one token (V = A) or of a register of tokens (V = Vec<A>), given delta = sum_k alpha_k g_k:
+// coef reaches c . x_j, shrink reaches x_j through its rstd r. Both paths of the backward share it, so they agree.
+template <class V>
+inline void softmax_backward(V alpha, V g, V delta, V r, V xc, V d, V& coef, V& shrink) {
+  coef = alpha * (g - delta) * r;
+  shrink = coef * (xc * r) * r / d;
+}
+
+// One element (V = A) or register (V = Vec<A>) of a source's gradient: alpha dm + coef c - shrink x.
+template <class V>
+inline V source_grad(V alpha, V dm, V coef, V c, V shrink, V x) {
+  return alpha * dm + coef * c - shrink * x;
+}
+
 // The arguments every backward pass shares. Accumulate (a template flag of the passes): add the source gradients onto
 // what `grads` holds (a chain of Full points, attnres/ops/chain.py) instead of writing them; their lines are asked for
 // (a prefetch to write) as the dot pass reads the sources, so that their loads overlap the passes before the last.
@@ -676,7 +690,7 @@ struct BackwardArgs {
   const std::vector<typename K::raw*>& grads;
 };
 
-// Per-thread scratch of backward_tile: the tile's gradient rows, and at [j * lanes + t] each row's weight, key rstd,
+// Per-thread scratch of backward_tile: the tile's output-gradient rows (dm), and at [j * lanes + t] each row's weight, key rstd,
 // two dot products and two coefficients, and one token's rows.
 template <class K, class A = typename K::acc>
 struct BackwardScratch {
@@ -736,10 +750,10 @@ void backward_tile(const BackwardArgs<K>& a, int64_t n0, int64_t n, BackwardScra
     }
     for (int64_t j = 0; j < n_src; ++j) {
       const int64_t at = j * L + t0;
-      const Vec<A> r = P::vload(s.rstd.data() + at);
-      const Vec<A> coef = P::vload(s.alpha.data() + at) * (P::vload(s.g.data() + at) - delta) * r;
-      P::vstore(s.coef.data() + at, coef);
-      P::vstore(s.shrink.data() + at, coef * (P::vload(s.xc.data() + at) * r) * r / splat(A(d)));
+      Vec<A> coef, shrink;
+      softmax_backward(P::vload(s.alpha.data() + at), P::vload(s.g.data() + at), delta, P::vload(s.rstd.data() + at),
+                       P::vload(s.xc.data() + at), splat(A(d)), coef, shrink);
+      P::vstore(s.coef.data() + at, coef), P::vstore(s.shrink.data() + at, shrink);
     }
   }
   // dx_j = alpha_j dm + coef_j c - shrink_j x_j and dc += coef_j x_j, source by source, row by row
@@ -752,13 +766,13 @@ void backward_tile(const BackwardArgs<K>& a, int64_t n0, int64_t n, BackwardScra
       int64_t i = 0;
       for (; i + w <= d; i += w) {
         const Vec<A> xv = K::vload(x + i);
-        const Vec<A> g = splat(al) * P::vload(dm + i) + splat(cj) * P::vload(a.c + i) - splat(sj) * xv;
+        const Vec<A> g = source_grad(splat(al), P::vload(dm + i), splat(cj), P::vload(a.c + i), splat(sj), xv);
         K::vstore(dx + i, Accumulate ? K::vload(dx + i) + g : g);
         P::vstore(dc_acc + i, P::vload(dc_acc + i) + splat(cj) * xv);
       }
       for (; i < d; ++i) {
         const A xv = K::load(x[i]);
-        const A g = al * dm[i] + cj * a.c[i] - sj * xv;
+        const A g = source_grad(al, dm[i], cj, a.c[i], sj, xv);
         dx[i] = K::store(Accumulate ? K::load(dx[i]) + g : g);
         dc_acc[i] += cj * xv;
       }
@@ -804,11 +818,8 @@ void backward_token(const BackwardArgs<K>& a, int64_t begin, int64_t end, typena
       coef[j] = dots[2 * j + 1] + (a.grad_weights ? a.grad_weights[j * a.n_tok + n] : A(0));  // g_j for now
       delta += alpha[j] * coef[j];
     }
-    for (int64_t j = 0; j < n_src; ++j) {
-      const A r = a.rstd[j * a.n_tok + n];
-      coef[j] = alpha[j] * (coef[j] - delta) * r;     // the gradient reaching c . x_j
-      shrink[j] = coef[j] * (dots[2 * j] * r) * r / A(d);  // ... and reaching x_j through its rstd
-    }
+    for (int64_t j = 0; j < n_src; ++j)
+      softmax_backward(alpha[j], coef[j], delta, a.rstd[j * a.n_tok + n], dots[2 * j], A(d), coef[j], shrink[j]);
     // dx_j = alpha_j dm + coef_j c - shrink_j x_j and dc += coef_j x_j, one block of d at a time: the blocks of
     // dm, c and dc stay in registers across the R rows (blocks of kUnroll registers, then single ones)
     auto dx_block = [&]<int64_t U>(int64_t i) {
@@ -817,7 +828,7 @@ void backward_token(const BackwardArgs<K>& a, int64_t begin, int64_t end, typena
       for (int64_t j = 0; j < n_src; ++j) {
         const Vec<A> al = splat(alpha[j]), cj = splat(coef[j]), sj = splat(shrink[j]);
         for (int64_t k = 0; k < U; ++k) {
-          const Vec<A> xv = K::vload(x[j] + i + k * w), g = al * dmv[k] + cj * cv[k] - sj * xv;
+          const Vec<A> xv = K::vload(x[j] + i + k * w), g = source_grad(al, dmv[k], cj, cv[k], sj, xv);
           K::vstore(dx[j] + i + k * w, Accumulate ? K::vload(dx[j] + i + k * w) + g : g);
           dcv[k] += cj * xv;
         }
@@ -830,7 +841,7 @@ void backward_token(const BackwardArgs<K>& a, int64_t begin, int64_t end, typena
     for (; i < d; ++i) {
       for (int64_t j = 0; j < n_src; ++j) {
         const A xv = K::load(x[j][i]);
-        const A g = alpha[j] * dm[i] + coef[j] * c[i] - shrink[j] * xv;
+        const A g = source_grad(alpha[j], dm[i], coef[j], c[i], shrink[j], xv);
         dx[j][i] = K::store(Accumulate ? K::load(dx[j][i]) + g : g);
         dc_acc[i] += coef[j] * xv;
       }
