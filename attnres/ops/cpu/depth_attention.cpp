@@ -3,11 +3,10 @@
 //
 // The operator is memory-bound: its floor is one read of its sources. So each kernel reads every source row from
 // memory once, one token (or one tile of tokens) at a time, and does the rest of its work while those rows sit in L2:
-//  - forward: score a tile of tokens' rows (dot with c and sum of squares, each token's R rows read side by side, or
-//    with few sources each source's rows of the tile, so that the dots' lane sums fill registers), softmax them as
-//    vectors across the tile, then mix each token's rows in one fused pass that keeps a block of the output in
-//    registers while the R rows stream past. When the rows of a token do not fit in L2 they are taken in groups
-//    merged by an online softmax (running max, rescaled partial sum);
+//  - forward: score a tile of tokens' rows (dot with c and sum of squares, each token's R rows read side by side),
+//    softmax them as vectors across the tile, then mix each token's rows in one fused pass that keeps a block of the
+//    output in registers while the R rows stream past. When the rows of a token do not fit in L2 they are taken in
+//    groups merged by an online softmax (running max, rescaled partial sum);
 //  - backward: (with the output norm: mix again, for its gradient), dot each row with c and dm, then write every
 //    source gradient in one pass that accumulates dc from the same loads. Tokens whose rows fit are taken in tiles,
 //    source by source, with the softmax backward as vectors across the tile; longer rows a token at a time;
@@ -514,7 +513,7 @@ struct ForwardScratch {
   ForwardScratch(int64_t n_src, int64_t d, int64_t tile)
       : acc(tile * d), xc(n_src * lanes), sq(n_src * lanes), score(n_src * lanes), rstd(n_src * lanes),
         p(n_src * lanes), mx(lanes), z(lanes), scale(lanes), out_sq(lanes), factor(lanes), token(2 * n_src),
-        dots(4 * std::max(n_src, lanes)) {}
+        dots(4 * n_src) {}
 };
 
 // Tokens per tile for rows of n_src x d elements of `bytes` each: as many as keep their rows within kHotBytes, at
@@ -549,19 +548,9 @@ __attribute__((noinline)) void forward_tile(
   const A dn = A(d), ep = A(eps), inf = std::numeric_limits<A>::infinity();
   for (int64_t g0 = 0; g0 < n_src; g0 += group) {
     const int64_t g1 = std::min(n_src, g0 + group);
-    // a token's dots fill at most one fold, and a source's rows of the tile lie one after another (not a bank's):
-    // fold each source's rows instead
-    if (4 * (g1 - g0) <= w && (n == 1 || x[n_src] == x[0] + d)) {
-      const typename K::raw* rows[L];
-      for (int64_t j = g0; j < g1; ++j) {
-        for (int64_t t = 0; t < n; ++t) rows[t] = x[t * n_src + j];
-        dot_rows<K>(rows, n, &c, 1, d, s.dots.data(), s.xc.data() + j * L, s.sq.data() + j * L);
-      }
-    } else {
-      for (int64_t t = 0; t < n; ++t) {
-        dot_rows<K>(x + t * n_src + g0, g1 - g0, &c, 1, d, s.dots.data(), s.token.data(), s.token.data() + n_src);
-        for (int64_t j = g0; j < g1; ++j) s.xc[j * L + t] = s.token[j - g0], s.sq[j * L + t] = s.token[n_src + j - g0];
-      }
+    for (int64_t t = 0; t < n; ++t) {
+      dot_rows<K>(x + t * n_src + g0, g1 - g0, &c, 1, d, s.dots.data(), s.token.data(), s.token.data() + n_src);
+      for (int64_t j = g0; j < g1; ++j) s.xc[j * L + t] = s.token[j - g0], s.sq[j * L + t] = s.token[n_src + j - g0];
     }
     for (int64_t t = 0; t < n; t += w) {
       Vec<A> mx = g0 == 0 ? splat(-inf) : P::vload(s.mx.data() + t), top = mx;
