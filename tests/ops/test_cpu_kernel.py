@@ -94,7 +94,8 @@ CASES = {
     # multi-axis stress
     "R9-B2xT50-d1000-bf16-outnorm-gw": (9, (2, 50), 1000, torch.bfloat16, True, True),
     "R17-B3xT5-d129-fp32-outnorm-gw": (17, (3, 5), 129, torch.float32, True, True),
-    "R70-T80-d5-fp32-outnorm-gw": (70, (80,), 5, torch.float32, True, True),  # backward tiles of more sources than tokens
+    # backward tiles of more sources than a tile has tokens
+    "R70-T80-d5-fp32-outnorm-gw": (70, (80,), 5, torch.float32, True, True),
     # rows too long to keep a token's sources in L2 together: groups of one row, merged by the online softmax
     "R3-T2-d40000-fp32-outnorm-gw": (3, (2,), 40000, torch.float32, True, True),
     "R4-T2-d70001-bf16": (4, (2,), 70001, torch.bfloat16, False, False),

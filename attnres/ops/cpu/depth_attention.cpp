@@ -690,8 +690,9 @@ struct BackwardArgs {
   const std::vector<typename K::raw*>& grads;
 };
 
-// Per-thread scratch of backward_tile: the tile's output-gradient rows (dm), and at [j * lanes + t] each row's weight, key rstd,
-// two dot products and two coefficients, and one token's rows.
+// Per-thread scratch of backward_tile: the tile's output-gradient rows (dm), at [j * lanes + t] each row's weight, key
+// rstd, two dot products and two coefficients, one token's rows and weights (the output norm's mix), and dot_rows'
+// partial sums for one row against two (c and dm).
 template <class K, class A = typename K::acc>
 struct BackwardScratch {
   static constexpr int64_t lanes = kBackwardTile;
@@ -701,7 +702,7 @@ struct BackwardScratch {
   std::vector<const typename K::raw*> x;
   BackwardScratch(int64_t n_src, int64_t d, int64_t tile, bool out_norm)
       : dm(tile * d), mix(out_norm ? d : 0), alpha(n_src * lanes), rstd(n_src * lanes), xc(n_src * lanes),
-        g(n_src * lanes), coef(n_src * lanes), shrink(n_src * lanes), token(n_src), dots(6), x(n_src) {}
+        g(n_src * lanes), coef(n_src * lanes), shrink(n_src * lanes), token(n_src), dots(2 * (2 + 1)), x(n_src) {}
 };
 
 // The backward for a tile of n tokens from n0, source by source (see backward_tile_tokens).
@@ -1189,8 +1190,8 @@ std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out,
     using R = typename K::raw;
     const auto src = p.source_rows<R>();
     const auto into = pointers<R>(grads);
-    const BackwardArgs<K> args{rows_of<const R>(g), data_or_null<A>(gw), src, cv.data_ptr<A>(), data_or_null<A>(out_w),
-                               w.data_ptr<A>(), r.data_ptr<A>(), out_eps, p.n_tok, p.d, into};
+    const BackwardArgs<K> args{rows_of<const R>(g), data_or_null<A>(gw), src, cv.data_ptr<A>(),
+                               data_or_null<A>(out_w), w.data_ptr<A>(), r.data_ptr<A>(), out_eps, p.n_tok, p.d, into};
     auto run = accumulate ? backward_kernel<K, true> : backward_kernel<K, false>;
     run(args, dc.data_ptr<A>(), d_out_w.data_ptr<A>());
   });
