@@ -9,7 +9,8 @@
 //    groups merged by an online softmax (running max, rescaled partial sum);
 //  - backward: (with the output norm: mix again, for its gradient), dot each row with c and dm, then write every
 //    source gradient in one pass that accumulates dc from the same loads. Tokens whose rows fit are taken in tiles,
-//    source by source, with the softmax backward as vectors across the tile; longer rows a token at a time;
+//    with the softmax backward as vectors across the tile (dots token by token, gradients source by source); longer
+//    rows a token at a time;
 //  - phase 1 (forward and backward): the same two passes with S queries at once, so each source row is read from
 //    memory once for all of them; the second pass goes through d in L1-sized chunks, each chunk of the rows
 //    serving every query;
@@ -622,11 +623,14 @@ void forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const t
 }
 
 // Tokens that the backward takes together, when at least kTile tokens' rows fit in kHotBytes (d = 96 in fp32: up to
-// 42 sources): each pass then walks one source's rows of the tile (one contiguous stream from memory) before the next
-// source's, and the per-token scalar steps (the softmax backward) run as vectors across the tile, where one token at
-// a time they cost as much as a short row's few registers of arithmetic. Otherwise tokens are taken one at a time,
-// their rows read side by side (backward_token), as before tiles. Against that code, tiles measured faster at d = 96
-// and 192 in fp32, level to faster at 256 and level at 512 (docs/benchmarks.md). 1: no tiles.
+// 42 sources): the per-token scalar steps (the softmax backward) then run as vectors across the tile, where one token
+// at a time they cost as much as a short row's few registers of arithmetic. The dot pass reads each token's rows side
+// by side, as the forward does, and asks for the lines of its gradient sums together (more loads in flight: the Full
+// chain's backward took 0.89-0.93x the time at the minima, `--cold`, of reading one source's rows of the tile after
+// another); the gradient pass walks one source's rows of the tile (one contiguous stream) at a time. Otherwise tokens
+// are taken one at a time, their rows read side by side (backward_token), as before tiles. Against that code, tiles
+// measured faster at d = 96 and 192 in fp32, level to faster at 256 and level at 512 (docs/benchmarks.md). 1: no
+// tiles.
 constexpr int64_t kBackwardTile = 64;
 
 inline int64_t backward_tile_tokens(int64_t n_src, int64_t d, int64_t bytes) {
@@ -728,9 +732,9 @@ void backward_tile(const BackwardArgs<K>& a, int64_t n0, int64_t n, BackwardScra
       out_norm_backward(dm, s.mix.data(), a.out_w, a.out_eps, d, dw_acc);
     }
   }
-  // c . x_j and dm . x_j for every row
-  for (int64_t j = 0; j < n_src; ++j)
-    for (int64_t t = 0; t < n; ++t) {
+  // c . x_j and dm . x_j for every row, each token's rows side by side
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t j = 0; j < n_src; ++j) {
       const R* row = a.src[j][n0 + t];
       const A* y[2] = {a.c, s.dm.data() + t * d};
       A out[2];
@@ -1204,7 +1208,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> depth_attention_bwd(
     const at::Tensor& rstd, double out_eps) {
   Problem p(sources);
   auto grads = p.new_sources();
-  auto [dc, d_out_w] = backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, grads, false);
+  auto [dc, d_out_w] =
+      backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, grads, false);
   return {grads, dc, d_out_w};
 }
 
