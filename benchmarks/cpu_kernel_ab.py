@@ -73,17 +73,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def kernel_source(revision: str) -> str:
-    if revision == WORKTREE:
-        return SOURCE.read_text()
-    path = SOURCE.relative_to(ROOT).as_posix()
+def _git(*args: str, revision: str) -> str:
     try:
-        done = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
     except FileNotFoundError:
         raise SystemExit(f"--base/--head: {revision!r} is a git revision, and git is not installed") from None
     if done.returncode != 0:
-        raise SystemExit(f"--base/--head: git cannot show {path} at {revision!r}: {done.stderr.strip()}")
+        raise SystemExit(f"--base/--head: git cannot read {revision!r}: {done.stderr.strip()}")
     return done.stdout
+
+
+def kernel_source(revision: str) -> str:
+    if revision == WORKTREE:
+        return SOURCE.read_text()
+    return _git("show", f"{revision}:{SOURCE.relative_to(ROOT).as_posix()}", revision=revision)
+
+
+def commit_of(revision: str) -> str:
+    """The commit a revision names now (a record keeps it: `HEAD~1` names another one after the next commit)."""
+    return revision if revision == WORKTREE else _git("rev-parse", "--short", revision, revision=revision).strip()
 
 
 def load_ops(name: str, source: str, folder: Path):
@@ -212,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.out is not None:
         case = {"sources": args.sources} if args.sources else {"points": count, "chained_backward": chained}
         case["cold"] = args.cold
+        case["commits"] = {"base": commit_of(args.base), "head": commit_of(args.head)}
         write_record("benchmarks.cpu_kernel_ab", args, argv, case, results=results)
 
 

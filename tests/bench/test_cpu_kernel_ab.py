@@ -1,5 +1,7 @@
 """benchmarks/cpu_kernel_ab.py: its arguments and sources (compiling two kernels is the benchmark's own work)."""
 
+import subprocess
+
 import pytest
 
 from attnres.ops.cpu.build import SOURCE
@@ -71,6 +73,25 @@ def test_the_working_tree_source_and_an_unknown_revision():
     assert cpu_kernel_ab.kernel_source(cpu_kernel_ab.WORKTREE) == SOURCE.read_text()
     with pytest.raises(SystemExit, match="no-such-revision"):
         cpu_kernel_ab.kernel_source("no-such-revision")
+
+
+def _git_head() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cpu_kernel_ab.ROOT, capture_output=True,
+                              text=True)
+    except FileNotFoundError:
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+@pytest.mark.skipif(_git_head() is None, reason="needs git and a git checkout")
+def test_a_record_names_the_commits_its_revisions_resolve_to():
+    """`HEAD~1` in a record would name another commit once the next one lands: the record keeps the commit."""
+    head = _git_head()
+    assert cpu_kernel_ab.commit_of("HEAD") == head
+    assert cpu_kernel_ab.commit_of(cpu_kernel_ab.WORKTREE) == cpu_kernel_ab.WORKTREE
+    with pytest.raises(SystemExit, match="no-such-revision"):
+        cpu_kernel_ab.commit_of("no-such-revision")
 
 
 def test_interleaved_timing_runs_every_call_of_both_sides_and_keeps_the_timed_repeats():

@@ -625,12 +625,12 @@ void forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const t
 // Tokens that the backward takes together, when at least kTile tokens' rows fit in kHotBytes (d = 96 in fp32: up to
 // 42 sources): the per-token scalar steps (the softmax backward) then run as vectors across the tile, where one token
 // at a time they cost as much as a short row's few registers of arithmetic. The dot pass reads each token's rows side
-// by side, as the forward does, and asks for the lines of its gradient sums together (more loads in flight: the Full
-// chain's backward took 0.89-0.93x the time at the minima, `--cold`, of reading one source's rows of the tile after
-// another); the gradient pass walks one source's rows of the tile (one contiguous stream) at a time. Otherwise tokens
-// are taken one at a time, their rows read side by side (backward_token), as before tiles. Against that code, tiles
-// measured faster at d = 96 and 192 in fp32, level to faster at 256 and level at 512 (docs/benchmarks.md). 1: no
-// tiles.
+// by side, as the forward does, and asks for the lines of its gradient sums together (more loads in flight: with cold
+// caches the Full chain's backward took 0.90-0.92x the time at the minima, 0.95-0.98x at the medians, of reading one
+// source's rows of the tile after another); the gradient pass walks one source's rows of the tile (one contiguous
+// stream) at a time. Otherwise tokens are taken one at a time, their rows read side by side (backward_token), as
+// before tiles. Against that code, tiles measured faster at d = 96 and 192 in fp32, level to faster at 256 and level
+// at 512 (docs/benchmarks.md). 1: no tiles.
 constexpr int64_t kBackwardTile = 64;
 
 inline int64_t backward_tile_tokens(int64_t n_src, int64_t d, int64_t bytes) {
