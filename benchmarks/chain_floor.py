@@ -34,9 +34,8 @@ from attnres.ops import cpu
 from attnres.ops.cpu.build import compile_command
 from benchmarks.cpu_kernel_ab import (
     EPS,
-    add_schedule_args,
-    check_schedule_args,
     compare,
+    parse_schedule_args,
     schedule_inputs,
     time_interleaved,
 )
@@ -48,11 +47,7 @@ LAZY_SIDES = ("lazy_floor", "lazy")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_schedule_args(p)
-    args = p.parse_args(argv)
-    check_schedule_args(p, args)
-    return args
+    return parse_schedule_args(__doc__, argv)
 
 
 def load_floor(folder: Path):

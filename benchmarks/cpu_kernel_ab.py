@@ -40,7 +40,7 @@ COLD_MIB = 128  # written before each point with --cold: several times any last-
 
 
 def add_schedule_args(p: argparse.ArgumentParser) -> None:
-    """The flags of a Full schedule timed point by point (shared with benchmarks/chain_floor.py)."""
+    """The flags of a Full schedule timed point by point."""
     p.add_argument("--tokens", type=int, default=2048, help="tokens per source (default: 16 x 128)")
     p.add_argument("--dim", type=int, default=96, help="residual width d (default: the small model's 96)")
     p.add_argument("--layers", type=int, default=6, help="decoder layers L: points over 1 .. 2L + 1 sources")
@@ -55,6 +55,16 @@ def check_schedule_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
     for name in ("tokens", "dim", "layers", "threads", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: expected a positive number, got {getattr(args, name)}")
+
+
+def parse_schedule_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """The schedule's flags alone, checked: the arguments of a study of the kernels at one revision
+    (benchmarks/chain_floor.py, benchmarks/full_two_phase.py)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_schedule_args(p)
+    args = p.parse_args(argv)
+    check_schedule_args(p, args)
+    return args
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
