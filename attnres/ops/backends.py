@@ -29,6 +29,11 @@ class Backend:
     fwd: Callable | None = None
     bwd: Callable | None = None
     bwd_into: Callable | None = None  # `bwd` writing (or adding) the source gradients into a given buffer (ops/chain.py)
+    # fwd, bwd and bwd_into of a point from its parameters: the query folded and its gradients formed in the same
+    # call (attnres.ops.depth_attention.PointKernels; None: composed from the three above in torch ops)
+    point_fwd: Callable | None = None
+    point_bwd: Callable | None = None
+    point_bwd_into: Callable | None = None
     stats_fwd: Callable | None = None
     stats_bwd: Callable | None = None
     bank_aggregate: Callable | None = None  # the fused inference ops of attnres.ops.bank, checked (see validated)
@@ -53,6 +58,7 @@ def _cpu_backend() -> Backend | None:
         return None
     return Backend(
         "cpu", cpu.cpu_depth_attention_fwd, cpu.cpu_depth_attention_bwd, cpu.cpu_depth_attention_bwd_into,
+        cpu.cpu_point_fwd, cpu.cpu_point_bwd, cpu.cpu_point_bwd_into,
         stats_fwd=cpu.cpu_depth_stats_fwd, stats_bwd=cpu.cpu_depth_stats_bwd,
         bank_aggregate=validated(check_bank_aggregate, cpu.cpu_bank_aggregate),
         bank_merge=validated(check_bank_merge, cpu.cpu_bank_merge),
@@ -70,7 +76,8 @@ def _triton_backend() -> Backend | None:
         return None
     return Backend(
         "triton", k.triton_depth_attention_fwd, k.triton_depth_attention_bwd, k.triton_depth_attention_bwd_into,
-        k.triton_depth_stats_fwd, k.triton_depth_stats_bwd, bank_aggregate=validated(check_bank_aggregate, k.triton_bank_aggregate),
+        stats_fwd=k.triton_depth_stats_fwd, stats_bwd=k.triton_depth_stats_bwd,
+        bank_aggregate=validated(check_bank_aggregate, k.triton_bank_aggregate),
         bank_merge=validated(check_bank_merge, k.triton_bank_merge),
         merge_fwd=k.triton_merge_prefix_fwd, merge_bwd=k.triton_merge_prefix_bwd,
         max_d=k.MAX_D, max_rows=k.MAX_STATS_ROWS,

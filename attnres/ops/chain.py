@@ -29,11 +29,10 @@ import torch
 
 from attnres.ops.checks import check_depth_attention
 from attnres.ops.depth_attention import (
-    accumulator_dtype,
     depth_attention_fwd,
-    fold_query_unrecorded,
+    grad_or_zeros,
+    point_fwd_from,
     point_kernels,
-    query_grads,
     takes_kernels_directly,
 )
 
@@ -68,10 +67,9 @@ class _ChainedPoint(torch.autograd.Function):
         sources = [*older, *tracked]
         x = sources[0]
         ctx.kernels = point_kernels(x)
-        c, folded = fold_query_unrecorded(ctx, query, key_norm_weight, accumulator_dtype(x.dtype))
-        fwd = ctx.kernels.fwd if takes_kernels_directly(x) else depth_attention_fwd
-        out, weights, rstd = fwd(sources, c, out_norm_weight, eps, out_eps)
-        ctx.save_for_backward(c, out_norm_weight, weights, rstd, *folded, *sources)
+        point_fwd = ctx.kernels.point_fwd if takes_kernels_directly(x) else point_fwd_from(depth_attention_fwd)
+        out, weights, rstd, c = point_fwd(sources, query, key_norm_weight, out_norm_weight, eps, out_eps)
+        ctx.save_for_backward(c, query, key_norm_weight, out_norm_weight, weights, rstd, *sources)
         ctx.eps, ctx.out_eps, ctx.continues = eps, out_eps, carrier is not None
         ctx.set_materialize_grads(False)  # an unused carrier ends the chain: no zero buffer for it
         # the carrier: one element, zero strides (one op)
@@ -79,22 +77,19 @@ class _ChainedPoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_carrier):
-        c, out_norm_weight, weights, rstd, q, g, *sources = ctx.saved_tensors
+        c, query, gain, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
         x = sources[0]
-        if grad_out is None:  # only the carrier is used further on: nothing of this point's own to add
-            grad_out = torch.zeros_like(x)
         accumulate = grad_carrier is not None
         if accumulate:
             # the later points' sums, added onto in place; anything but our own contiguous buffer is copied first
             into = grad_carrier if grad_carrier.is_contiguous() else grad_carrier.contiguous()
         else:
             into = torch.empty((len(sources), *x.shape), dtype=x.dtype, device=x.device)
-        dc, d_out_w = ctx.kernels.bwd_into(
-            grad_out.contiguous(), None, sources, c, out_norm_weight, weights, rstd, ctx.eps, ctx.out_eps, into,
-            accumulate,
+        # only the carrier is used further on: nothing of this point's own to add (zeros)
+        d_query, d_gain, d_out_w = ctx.kernels.point_bwd_into(
+            grad_or_zeros(grad_out, x), None, sources, c, query, gain, out_norm_weight, weights, rstd, ctx.eps,
+            ctx.out_eps, into, accumulate,
         )
-        d_out_w = None if out_norm_weight is None else d_out_w.to(out_norm_weight.dtype)
-        d_query, d_gain = query_grads(ctx, dc, q, g, *ctx.needs_input_grad[1:3])
         # the newest source is complete; the older ones go on summing in the previous point
         back, grads = (into[:-1], [into[-1]]) if ctx.continues else (None, into.unbind(0))
         return back, d_query, d_gain, d_out_w, None, None, None, *grads

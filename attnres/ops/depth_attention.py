@@ -17,12 +17,13 @@ traces through it; the public function validates, folds `c` with ordinary autogr
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 
-from attnres.ops.backends import select_backend
+from attnres.ops.backends import Backend, select_backend
 from attnres.ops.checks import check_depth_attention
 
 
@@ -34,18 +35,8 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 def fold_query(query: torch.Tensor, key_norm_weight: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
     """c = g * w in the accumulator dtype (docs/design.md section 2, step 1): scoring against c equals scoring the
     RMS-normed key."""
-    return _fold(*query_parts(query, key_norm_weight, acc))
-
-
-def query_parts(
-    query: torch.Tensor, key_norm_weight: torch.Tensor | None, acc: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(w as `[d]`, g) in the accumulator dtype: what `fold_query` folds."""
-    return query.reshape(-1).to(acc), None if key_norm_weight is None else key_norm_weight.to(acc)
-
-
-def _fold(q: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
-    return q if g is None else q * g
+    q = query.reshape(-1).to(acc)
+    return q if key_norm_weight is None else q * key_norm_weight.to(acc)
 
 
 def rms_normalize(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,20 +152,74 @@ def _torch_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rst
 
 
 class PointKernels(NamedTuple):
+    """The kernels of one aggregation point, looked up once for its forward and backward: the one-shot op's (`fwd`,
+    `bwd`, `bwd_into`, over the folded query c) and the same from the point's parameters (`point_*`: the query w `[d]`
+    or `[1, d]`, its key gain g or None, the output-norm gain or None), which fold c = g * w before the forward and
+    return the gradients of w, g and the output-norm gain (None where a parameter is None), in their dtypes and shapes,
+    as autograd forms them through the fold:
+
+        point_fwd(sources, w, g, o, eps, out_eps) -> (out, weights, rstd, c)
+        point_bwd(grad_out, grad_weights, sources, c, w, g, o, weights, rstd, eps, out_eps) -> (grads, dw, dg, do)
+        point_bwd_into(..., into, accumulate) -> (dw, dg, do)
+
+    A backend's own `point_*` kernels do all of it in one call: between two points a model runs a sublayer, and a
+    separate op on these `[d]` vectors then costs a cold cache's Python and dispatcher work, tens of microseconds per
+    point. Elsewhere they are composed from the one-shot kernels in torch ops (`point_fwd_from`, `point_bwd_from`)."""
+
     fwd: Callable
     bwd: Callable
     bwd_into: Callable
+    point_fwd: Callable
+    point_bwd: Callable
+    point_bwd_into: Callable
 
 
 def point_kernels(x: torch.Tensor) -> PointKernels:
-    """The one-shot kernels of the backend that serves sources like `x`, the torch ones where it has none: one lookup
-    serves a point's forward and its backward."""
-    backend = select_backend(x)
+    """The kernels of the backend that serves sources like `x`, the torch ones where it has none."""
+    return _kernels_of(select_backend(x))
+
+
+@functools.cache  # a backend's kernels never change
+def _kernels_of(backend: Backend) -> PointKernels:
+    fwd = backend.fwd or torch_depth_attention_fwd
+    bwd = backend.bwd or torch_depth_attention_bwd
+    bwd_into = backend.bwd_into or torch_depth_attention_bwd_into
     return PointKernels(
-        backend.fwd or torch_depth_attention_fwd,
-        backend.bwd or torch_depth_attention_bwd,
-        backend.bwd_into or torch_depth_attention_bwd_into,
+        fwd, bwd, bwd_into,
+        backend.point_fwd or point_fwd_from(fwd),
+        backend.point_bwd or point_bwd_from(bwd, returns_grads=True),
+        backend.point_bwd_into or point_bwd_from(bwd_into, returns_grads=False),
     )
+
+
+def point_fwd_from(fwd: Callable) -> Callable:
+    """`PointKernels.point_fwd` from a one-shot forward kernel (or the custom op)."""
+
+    def point_fwd(sources, query, gain, out_norm_weight, eps, out_eps):
+        c = fold_query(query, gain, accumulator_dtype(sources[0].dtype))
+        return (*fwd(sources, c, out_norm_weight, eps, out_eps), c)
+
+    return point_fwd
+
+
+def point_bwd_from(bwd: Callable, returns_grads: bool) -> Callable:
+    """`PointKernels.point_bwd` (`returns_grads`) or `.point_bwd_into` from the one-shot backward kernel."""
+
+    def point_bwd(grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, eps, out_eps, *into):
+        out = bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps, *into)
+        grads, (dc, d_out_w) = (out[0], out[1:]) if returns_grads else (None, out)
+        params = parameter_grads(dc, d_out_w, query, gain, out_norm_weight)
+        return (grads, *params) if returns_grads else params
+
+    return point_bwd
+
+
+def parameter_grads(dc, d_out_w, query, gain, out_norm_weight):
+    """(dw, dg, do) from dc and the output-norm gain's gradient (accumulator dtype), as autograd forms them through
+    `fold_query`: the same products, then the casts and the view back; None for a parameter that is None."""
+    d_query = (dc if gain is None else dc * gain.to(dc.dtype)).to(query.dtype).view(query.shape)
+    d_gain = None if gain is None else (dc * query.reshape(-1).to(dc.dtype)).to(gain.dtype)
+    return d_query, d_gain, None if out_norm_weight is None else d_out_w.to(out_norm_weight.dtype)
 
 
 def kernel_fwd(sources, c, out_norm_weight, eps, out_eps):
@@ -227,31 +272,26 @@ def _(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, o
     return [x.new_empty(x.shape) for x in sources], c.new_empty(c.shape), c.new_empty(c.shape)  # contiguous
 
 
-def _save(ctx, c, out_norm_weight, weights, rstd, sources, eps, out_eps, folded=(None, None)) -> None:
-    """What a point's backward needs, as both autograd wirings below keep it (`folded`: `fold_query_unrecorded`'s q
-    and g, where the query was folded inside the Function)."""
-    ctx.save_for_backward(c, out_norm_weight, weights, rstd, *folded, *sources)
-    ctx.eps, ctx.out_eps = eps, out_eps
-
-
-def _point_backward(ctx, grad_out, grad_weights, bwd):
-    """(source grads, dc, d_out_w, (q, g)) from what `_save` kept, through `bwd` (the custom op, or the kernel itself).
-    The rstd output is an internal row for the backward; it carries no gradient of its own."""
-    c, out_norm_weight, weights, rstd, q, g, *sources = ctx.saved_tensors
-    grad_out = torch.zeros_like(sources[0]) if grad_out is None else grad_out.contiguous()
-    grads, dc, d_out_w = bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, ctx.eps, ctx.out_eps)
-    return grads, dc, None if out_norm_weight is None else d_out_w.to(out_norm_weight.dtype), (q, g)
-
-
 def _setup_context(ctx, inputs, output):
     sources, c, out_norm_weight, eps, out_eps = inputs
     _, weights, rstd = output
-    _save(ctx, c, out_norm_weight, weights, rstd, sources, eps, out_eps)
+    ctx.save_for_backward(c, out_norm_weight, weights, rstd, *sources)
+    ctx.eps, ctx.out_eps = eps, out_eps
 
 
 def _backward(ctx, grad_out, grad_weights, grad_rstd):
-    grads, dc, d_out_w, _ = _point_backward(ctx, grad_out, grad_weights, depth_attention_bwd)
-    return grads, dc, d_out_w, None, None
+    """The rstd output is an internal row for the backward; it carries no gradient of its own."""
+    c, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
+    grads, dc, d_out_w = depth_attention_bwd(
+        grad_or_zeros(grad_out, sources[0]), grad_weights, sources, c, out_norm_weight, weights, rstd, ctx.eps,
+        ctx.out_eps,
+    )
+    return grads, dc, None if out_norm_weight is None else d_out_w.to(out_norm_weight.dtype), None, None
+
+
+def grad_or_zeros(grad_out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """The output's gradient as the kernels take it: contiguous, zeros where autograd passed none."""
+    return torch.zeros_like(x) if grad_out is None else grad_out.contiguous()
 
 
 depth_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -263,47 +303,32 @@ def takes_kernels_directly(x: torch.Tensor) -> bool:
     return type(x) is torch.Tensor and not torch.compiler.is_compiling()
 
 
-def fold_query_unrecorded(
-    ctx, query: torch.Tensor, key_norm_weight: torch.Tensor | None, acc: torch.dtype
-) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """`fold_query` inside an autograd Function's forward, where autograd records nothing: (c, (q, g)), the query
-    `[d]` and the gain in the accumulator dtype that `query_grads` needs, or (None, None) without a gain (dc is then
-    the query's gradient itself). An aggregation point then has no fold of its own in the graph (a multiply, a cast and
-    a view at every point, forward and backward)."""
-    q, g = query_parts(query, key_norm_weight, acc)
-    ctx.query_layout = query.dtype, query.shape, None if g is None else key_norm_weight.dtype
-    return _fold(q, g), (None, None) if g is None else (q, g)
-
-
-def query_grads(ctx, dc, q, g, needs_query: bool, needs_gain: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The gradients of the query and the key-norm gain from dc, as autograd forms them through `fold_query`: the same
-    products, then the cast and the view back."""
-    query_dtype, query_shape, gain_dtype = ctx.query_layout
-    d_query = (dc if g is None else dc * g).to(query_dtype).view(query_shape) if needs_query else None
-    return d_query, (dc * q).to(gain_dtype) if needs_gain and g is not None else None
-
-
 class _EagerPoint(torch.autograd.Function):
     """The custom op and its autograd above as one autograd Function that calls the backend's kernels directly,
     without the custom op's Python layers (argument flattening, dispatch, its autograd wrapper: a fixed cost at every
-    point, forward and backward, whatever the size). It also folds the query itself and keeps the backend that served
-    its forward for its backward. Where `takes_kernels_directly` says no, `depth_attention` takes the custom op."""
+    point, forward and backward, whatever the size). It takes the point's parameters as they are (the kernels fold the
+    query and form its gradients: `PointKernels`), so an aggregation point has no fold of its own in the graph, and it
+    keeps the backend that served its forward for its backward. Where `takes_kernels_directly` says no,
+    `depth_attention` takes the custom op."""
 
     @staticmethod
     def forward(ctx, query, key_norm_weight, out_norm_weight, eps, out_eps, *sources):
-        x = sources[0]
-        ctx.kernels = point_kernels(x)
-        c, folded = fold_query_unrecorded(ctx, query, key_norm_weight, accumulator_dtype(x.dtype))
-        out, weights, rstd = ctx.kernels.fwd(list(sources), c, out_norm_weight, eps, out_eps)
-        _save(ctx, c, out_norm_weight, weights, rstd, sources, eps, out_eps, folded)
+        ctx.kernels = point_kernels(sources[0])
+        out, weights, rstd, c = ctx.kernels.point_fwd(list(sources), query, key_norm_weight, out_norm_weight, eps,
+                                                      out_eps)
+        ctx.save_for_backward(c, query, key_norm_weight, out_norm_weight, weights, rstd, *sources)
+        ctx.eps, ctx.out_eps = eps, out_eps
         ctx.mark_non_differentiable(rstd)
         ctx.set_materialize_grads(False)
         return out, weights, rstd
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights, grad_rstd):
-        grads, dc, d_out_w, (q, g) = _point_backward(ctx, grad_out, grad_weights, ctx.kernels.bwd)
-        d_query, d_gain = query_grads(ctx, dc, q, g, *ctx.needs_input_grad[:2])
+        c, query, gain, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
+        grads, d_query, d_gain, d_out_w = ctx.kernels.point_bwd(
+            grad_or_zeros(grad_out, sources[0]), grad_weights, sources, c, query, gain, out_norm_weight, weights,
+            rstd, ctx.eps, ctx.out_eps,
+        )
         return d_query, d_gain, d_out_w, None, None, *grads
 
 

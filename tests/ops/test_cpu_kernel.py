@@ -414,3 +414,65 @@ def test_failed_build_raises_with_the_compiler_output(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="compiling depth_attention.cpp failed"):
         build.build_library()
     assert not list(tmp_path.glob("*.so")), "a failed build must leave no library behind"
+
+
+def _point_params(d, dtype, gain, out_norm, rows):
+    gen = torch.Generator().manual_seed(3)
+    query = (0.3 * torch.randn(d, generator=gen)).reshape((1, d) if rows else (d,)).to(dtype)
+    key_gain = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype) if gain else None
+    out_w = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype) if out_norm else None
+    return query, key_gain, out_w
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gain, out_norm, rows", [(True, True, True), (False, True, False), (True, False, False)])
+def test_point_kernels_fold_and_unfold_as_the_composed_twin_bit_for_bit(param_dtype, gain, out_norm, rows):
+    """The CPU point ops (query folded and its gradients formed in the kernel call) against the same kernels
+    composed with the fold and the parameter gradients in torch ops: every output bit for bit, each gradient in its
+    parameter's dtype and shape (None for an absent parameter)."""
+    from attnres.ops.depth_attention import point_bwd_from, point_fwd_from
+
+    d, n_src = 24, 4
+    sources, _, _, grad_out, grad_weights = make_case(n_src, (3, 5), d, torch.float32, False, True)
+    query, key_gain, out_w = _point_params(d, param_dtype, gain, out_norm, rows)
+    composed = (point_fwd_from(cpu.cpu_depth_attention_fwd), point_bwd_from(cpu.cpu_depth_attention_bwd, True),
+                point_bwd_from(cpu.cpu_depth_attention_bwd_into, False))
+    results = []
+    for fwd, bwd, bwd_into in ((cpu.cpu_point_fwd, cpu.cpu_point_bwd, cpu.cpu_point_bwd_into), composed):
+        out, weights, rstd, c = fwd(sources, query, key_gain, out_w, EPS, OUT_EPS)
+        grads, *params = bwd(grad_out, grad_weights, sources, c, query, key_gain, out_w, weights, rstd, EPS, OUT_EPS)
+        into = torch.ones(n_src, 3, 5, d)
+        into_params = bwd_into(grad_out, grad_weights, sources, c, query, key_gain, out_w, weights, rstd, EPS,
+                               OUT_EPS, into, True)
+        results.append([out, weights, rstd, c, *grads, into, *params, *into_params])
+    for a, e in zip(*results):
+        if e is None:
+            assert a is None
+            continue
+        assert a.dtype == e.dtype and a.shape == e.shape and torch.equal(a, e)
+    d_query, d_gain, d_out_w = results[0][-3:]
+    assert d_query.dtype == param_dtype and d_query.shape == query.shape
+    assert (d_gain is None) == (key_gain is None) and (d_out_w is None) == (out_w is None)
+
+
+def test_the_torch_point_kernels_give_autograds_gradients_through_the_fold():
+    """The twin (torch kernels, the fold and the parameter gradients in torch ops) against autograd through
+    `fold_query` and the one-shot custom op, in fp64."""
+    from attnres.ops.depth_attention import depth_attention_fwd, fold_query, point_kernels
+
+    torch.manual_seed(4)
+    sources = [torch.randn(6, 16, dtype=torch.float64) for _ in range(3)]
+    query = torch.randn(1, 16, dtype=torch.float64, requires_grad=True)
+    key_gain = (1 + 0.1 * torch.randn(16, dtype=torch.float64)).requires_grad_()
+    out_w = (1 + 0.1 * torch.randn(16, dtype=torch.float64)).requires_grad_()
+    grad_out = torch.randn(6, 16, dtype=torch.float64)
+    out = depth_attention_fwd(sources, fold_query(query, key_gain, torch.float64), out_w, EPS, OUT_EPS)[0]
+    expected = torch.autograd.grad(out, (query, key_gain, out_w), grad_out)
+    kernels = point_kernels(sources[0])  # fp64 takes the torch path
+    out2, weights, rstd, c = kernels.point_fwd(sources, query.detach(), key_gain.detach(), out_w.detach(), EPS,
+                                               OUT_EPS)
+    _, *params = kernels.point_bwd(grad_out, None, sources, c, query.detach(), key_gain.detach(), out_w.detach(),
+                                   weights, rstd, EPS, OUT_EPS)
+    torch.testing.assert_close(out2, out.detach(), rtol=0, atol=0)
+    for a, e in zip(params, expected):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)

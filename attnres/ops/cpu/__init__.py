@@ -3,7 +3,8 @@ ops: a compiled kernel that streams each source once (for all queries of phase 1
 the bank rows `bank[:, j]`, in place.
 
 The functions are the CPU kernels of the `attnres::depth_attention_fwd/bwd` and `attnres::depth_stats_fwd/bwd` custom
-ops and of `attnres.ops.bank.bank_aggregate/bank_merge`; the contracts and the argument checks live with those ops.
+ops, of an aggregation point from its parameters (`attnres.ops.depth_attention.PointKernels`) and of
+`attnres.ops.bank.bank_aggregate/bank_merge`; the contracts and the argument checks live with those ops.
 `available()` says whether the kernel could be built and loaded (it compiles on first call, see `build.py`; the
 reason for a failure is logged once) and is False when `ATTNRES_DISABLE_CPU_KERNEL=1`.
 
@@ -71,6 +72,28 @@ def cpu_depth_attention_bwd_into(
     """Kernel of `Backend.bwd_into`: the source gradients written, or added, into `into` in place."""
     return _ops().depth_attention_bwd_into(
         grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, out_eps, into, accumulate
+    )
+
+
+def cpu_point_fwd(sources, query, gain, out_norm_weight, eps, out_eps):
+    """Kernel of `PointKernels.point_fwd`: the query folded and the forward in one call."""
+    return _ops().point_fwd(sources, query, gain, out_norm_weight, eps, out_eps)
+
+
+def cpu_point_bwd(grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, eps, out_eps):
+    """Kernel of `PointKernels.point_bwd`: the backward and the parameters' gradients in one call."""
+    grads, d_query, d_gain, d_out_w = _ops().point_bwd(
+        grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, out_eps
+    )
+    return list(grads), d_query, d_gain, d_out_w
+
+
+def cpu_point_bwd_into(
+    grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, eps, out_eps, into, accumulate
+):
+    """Kernel of `PointKernels.point_bwd_into`: `bwd_into` and the parameters' gradients in one call."""
+    return _ops().point_bwd_into(
+        grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, out_eps, into, accumulate
     )
 
 

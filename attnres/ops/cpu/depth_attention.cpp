@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
@@ -1155,11 +1156,9 @@ const A* data_or_null(const std::optional<at::Tensor>& t) {
   return t ? t->data_ptr<A>() : nullptr;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd(
-    at::TensorList sources, const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight, double eps,
-    double out_eps) {
-  Problem p(sources);
-  auto cv = p.vector(c);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const Problem& p, const at::Tensor& cv,
+                                                       const std::optional<at::Tensor>& out_norm_weight, double eps,
+                                                       double out_eps) {  // cv: c from p.vector
   auto out_w = out_norm_weight ? std::optional(p.vector(*out_norm_weight)) : std::nullopt;
   auto out = new_output(p.shape, p.dtype);
   auto weights = at::empty(p.row_shape, cv.options());
@@ -1172,6 +1171,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd(
                       rstd.data_ptr<A>());
   });
   return {out, weights, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd(
+    at::TensorList sources, const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight, double eps,
+    double out_eps) {
+  Problem p(sources);
+  return forward(p, p.vector(c), out_norm_weight, eps, out_eps);
 }
 
 // The backward with the source gradients written (accumulate: added) into `grads`, R [N, d] contiguous rows.
@@ -1202,6 +1208,20 @@ std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out,
   return {dc, d_out_w};
 }
 
+// backward_into with the gradients in `into`: [R, N, d] (any leading dims between), contiguous, the sources' dtype.
+std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out,
+                                                 const std::optional<at::Tensor>& grad_weights, const Problem& p,
+                                                 const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight,
+                                                 const at::Tensor& weights, const at::Tensor& rstd, double out_eps,
+                                                 const at::Tensor& into, bool accumulate) {
+  TORCH_CHECK(into.device().is_cpu() && into.is_contiguous() && into.scalar_type() == p.dtype &&
+                  into.numel() == p.n_src * p.n_tok * p.d,
+              "attnres_cpu: `into` must be a contiguous CPU tensor of R sources' elements in their dtype");
+  std::vector<at::Tensor> grads;
+  for (int64_t j = 0; j < p.n_src; ++j) grads.push_back(into.view({p.n_src, p.n_tok, p.d})[j]);
+  return backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, grads, accumulate);
+}
+
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> depth_attention_bwd(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
     const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& weights,
@@ -1213,18 +1233,66 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> depth_attention_bwd(
   return {grads, dc, d_out_w};
 }
 
-// `into`: [R, N, d] (any leading dims between), contiguous, in the sources' dtype.
 std::tuple<at::Tensor, at::Tensor> depth_attention_bwd_into(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
     const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& weights,
     const at::Tensor& rstd, double out_eps, const at::Tensor& into, bool accumulate) {
+  return backward_into(grad_out, grad_weights, Problem(sources), c, out_norm_weight, weights, rstd, out_eps, into,
+                       accumulate);
+}
+
+// An aggregation point's kernels in one call each, from its parameters: the query folded (c = g * w, in the
+// accumulator dtype) before the forward, and after the backward the gradients of w, g and the output-norm gain in
+// their own dtypes and shapes (w's `[1, d]` or `[d]`), as autograd forms them through the fold. Between two kernels a
+// model runs a sublayer, and each separate op on these `[d]` vectors then costs the Python and dispatcher work of a
+// cold cache (tens of microseconds per point, more than these products themselves).
+at::Tensor fold_query(const Problem& p, const at::Tensor& query, const std::optional<at::Tensor>& gain) {
+  auto w = p.vector(query);
+  return gain ? at::mul(w, p.vector(*gain)) : w;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> parameter_grads(const Problem& p, const at::Tensor& dc,
+                                                               const at::Tensor& query,
+                                                               const std::optional<at::Tensor>& gain,
+                                                               const std::optional<at::Tensor>& out_norm_weight,
+                                                               const at::Tensor& d_out_w) {
+  auto d_query = (gain ? at::mul(dc, p.vector(*gain)) : dc).to(query.scalar_type()).view(query.sizes());
+  auto d_gain = gain ? at::mul(dc, p.vector(query)).to(gain->scalar_type()) : at::Tensor();
+  auto d_norm = out_norm_weight ? d_out_w.to(out_norm_weight->scalar_type()) : at::Tensor();
+  return {d_query, d_gain, d_norm};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> point_fwd(
+    at::TensorList sources, const at::Tensor& query, const std::optional<at::Tensor>& gain,
+    const std::optional<at::Tensor>& out_norm_weight, double eps, double out_eps) {
   Problem p(sources);
-  TORCH_CHECK(into.device().is_cpu() && into.is_contiguous() && into.scalar_type() == p.dtype &&
-                  into.numel() == p.n_src * p.n_tok * p.d,
-              "attnres_cpu: `into` must be a contiguous CPU tensor of R sources' elements in their dtype");
-  std::vector<at::Tensor> grads;
-  for (int64_t j = 0; j < p.n_src; ++j) grads.push_back(into.view({p.n_src, p.n_tok, p.d})[j]);
-  return backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, grads, accumulate);
+  auto c = fold_query(p, query, gain);
+  auto [out, weights, rstd] = forward(p, c, out_norm_weight, eps, out_eps);
+  return {out, weights, rstd, c};
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> point_bwd(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
+    const at::Tensor& c, const at::Tensor& query, const std::optional<at::Tensor>& gain,
+    const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& weights, const at::Tensor& rstd,
+    double out_eps) {
+  Problem p(sources);
+  auto grads = p.new_sources();
+  auto [dc, d_out_w] =
+      backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, grads, false);
+  auto [d_query, d_gain, d_norm] = parameter_grads(p, dc, query, gain, out_norm_weight, d_out_w);
+  return {grads, d_query, d_gain, d_norm};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> point_bwd_into(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
+    const at::Tensor& c, const at::Tensor& query, const std::optional<at::Tensor>& gain,
+    const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& weights, const at::Tensor& rstd,
+    double out_eps, const at::Tensor& into, bool accumulate) {
+  Problem p(sources);
+  auto [dc, d_out_w] = backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, into,
+                                     accumulate);
+  return parameter_grads(p, dc, query, gain, out_norm_weight, d_out_w);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_stats_fwd(at::TensorList sources,
@@ -1358,6 +1426,13 @@ TORCH_LIBRARY(attnres_cpu, m) {
   m.def("depth_attention_bwd_into(Tensor grad_out, Tensor? grad_weights, Tensor[] sources, Tensor c,"
         " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps, Tensor(a!) into, bool accumulate)"
         " -> (Tensor, Tensor)");
+  m.def("point_fwd(Tensor[] sources, Tensor query, Tensor? gain, Tensor? out_norm_weight, float eps, float out_eps)"
+        " -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("point_bwd(Tensor grad_out, Tensor? grad_weights, Tensor[] sources, Tensor c, Tensor query, Tensor? gain,"
+        " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps) -> (Tensor[], Tensor, Tensor, Tensor)");
+  m.def("point_bwd_into(Tensor grad_out, Tensor? grad_weights, Tensor[] sources, Tensor c, Tensor query, Tensor? gain,"
+        " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps, Tensor(a!) into, bool accumulate)"
+        " -> (Tensor, Tensor, Tensor)");
   m.def("depth_stats_fwd(Tensor[] sources, Tensor cs, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("depth_stats_bwd(Tensor grad_z, Tensor grad_u, Tensor[] sources, Tensor cs, Tensor m, Tensor rstd)"
         " -> (Tensor[], Tensor)");
@@ -1371,6 +1446,9 @@ TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("depth_attention_fwd", &depth_attention_fwd);
   m.impl("depth_attention_bwd", &depth_attention_bwd);
   m.impl("depth_attention_bwd_into", &depth_attention_bwd_into);
+  m.impl("point_fwd", &point_fwd);
+  m.impl("point_bwd", &point_bwd);
+  m.impl("point_bwd_into", &point_bwd_into);
   m.impl("depth_stats_fwd", &depth_stats_fwd);
   m.impl("depth_stats_bwd", &depth_stats_bwd);
   m.impl("bank_aggregate", &bank_aggregate);
