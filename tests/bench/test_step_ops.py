@@ -21,7 +21,7 @@ def test_the_record_has_every_model_and_the_excess_of_block_and_full(tmp_path):
     assert all(ms > 0 for ms in record["wall_ms"].values())
     assert set(record["excess_ms"]) == {"block", "full"}
     # the depth-attention kernels run in every model (the standard one's fused norms); AttnRes's points cost more
-    kernel = "attnres_cpu::depth_attention_fwd"
+    kernel = "attnres_cpu::point_fwd"
     for kind in ("block", "full"):
         assert record["per_op"][kind][kernel]["calls"] >= record["per_op"]["standard"][kernel]["calls"]
         assert record["excess_ms"][kind][kernel] == pytest.approx(
