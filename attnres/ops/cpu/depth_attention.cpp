@@ -1248,7 +1248,7 @@ std::tuple<at::Tensor, at::Tensor> depth_attention_bwd_into(
 // cold cache (tens of microseconds per point, more than these products themselves).
 at::Tensor fold_query(const Problem& p, const at::Tensor& query, const std::optional<at::Tensor>& gain) {
   auto w = p.vector(query);
-  return gain ? at::mul(w, p.vector(*gain)) : w;
+  return gain ? at::mul(w, p.vector(*gain)) : w.clone();  // an output of its own, never a view of the query
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> parameter_grads(const Problem& p, const at::Tensor& dc,
