@@ -85,7 +85,7 @@ class _ChainedPoint(torch.autograd.Function):
             into = grad_carrier if grad_carrier.is_contiguous() else grad_carrier.contiguous()
         else:
             into = torch.empty((len(sources), *x.shape), dtype=x.dtype, device=x.device)
-        # only the carrier is used further on: nothing of this point's own to add (zeros)
+        # no grad_out where only the carrier is used further on: nothing of this point's own to add (zeros)
         d_query, d_gain, d_out_w = ctx.kernels.point_bwd_into(
             grad_or_zeros(grad_out, x), None, sources, c, query, gain, out_norm_weight, weights, rstd, ctx.eps,
             ctx.out_eps, into, accumulate,
