@@ -163,8 +163,9 @@ class PointKernels(NamedTuple):
         point_bwd_into(..., into, accumulate) -> (dw, dg, do)
 
     A backend's own `point_*` kernels do all of it in one call: between two points a model runs a sublayer, and a
-    separate op on these `[d]` vectors then costs a cold cache's Python and dispatcher work, tens of microseconds per
-    point. Elsewhere they are composed from the one-shot kernels in torch ops (`point_fwd_from`, `point_bwd_from`)."""
+    separate op on these `[d]` vectors would then cost a cold cache's Python and dispatcher work, far more than the
+    products themselves. Elsewhere they are composed from the one-shot kernels in torch ops (`point_fwd_from`,
+    `point_bwd_from`, `point_bwd_into_from`)."""
 
     fwd: Callable
     bwd: Callable
@@ -187,8 +188,8 @@ def _kernels_of(backend: Backend) -> PointKernels:
     return PointKernels(
         fwd, bwd, bwd_into,
         backend.point_fwd or point_fwd_from(fwd),
-        backend.point_bwd or point_bwd_from(bwd, returns_grads=True),
-        backend.point_bwd_into or point_bwd_from(bwd_into, returns_grads=False),
+        backend.point_bwd or point_bwd_from(bwd),
+        backend.point_bwd_into or point_bwd_into_from(bwd_into),
     )
 
 
@@ -202,16 +203,26 @@ def point_fwd_from(fwd: Callable) -> Callable:
     return point_fwd
 
 
-def point_bwd_from(bwd: Callable, returns_grads: bool) -> Callable:
-    """`PointKernels.point_bwd` (`returns_grads`) or `.point_bwd_into` from the one-shot backward kernel."""
+def point_bwd_from(bwd: Callable) -> Callable:
+    """`PointKernels.point_bwd` from a one-shot backward kernel."""
 
-    def point_bwd(grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, eps, out_eps, *into):
-        out = bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps, *into)
-        grads, (dc, d_out_w) = (out[0], out[1:]) if returns_grads else (None, out)
-        params = parameter_grads(dc, d_out_w, query, gain, out_norm_weight)
-        return (grads, *params) if returns_grads else params
+    def point_bwd(grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, eps, out_eps):
+        grads, dc, d_out_w = bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps)
+        return grads, *parameter_grads(dc, d_out_w, query, gain, out_norm_weight)
 
     return point_bwd
+
+
+def point_bwd_into_from(bwd_into: Callable) -> Callable:
+    """`PointKernels.point_bwd_into` from a one-shot `bwd_into` kernel."""
+
+    def point_bwd_into(grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, eps, out_eps,
+                       into, accumulate):
+        dc, d_out_w = bwd_into(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps, into,
+                               accumulate)
+        return parameter_grads(dc, d_out_w, query, gain, out_norm_weight)
+
+    return point_bwd_into
 
 
 def parameter_grads(dc, d_out_w, query, gain, out_norm_weight):

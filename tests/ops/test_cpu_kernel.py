@@ -430,13 +430,13 @@ def test_point_kernels_fold_and_unfold_as_the_composed_twin_bit_for_bit(param_dt
     """The CPU point ops (query folded and its gradients formed in the kernel call) against the same kernels
     composed with the fold and the parameter gradients in torch ops: every output bit for bit, each gradient in its
     parameter's dtype and shape (None for an absent parameter)."""
-    from attnres.ops.depth_attention import point_bwd_from, point_fwd_from
+    from attnres.ops.depth_attention import point_bwd_from, point_bwd_into_from, point_fwd_from
 
     d, n_src = 24, 4
     sources, _, _, grad_out, grad_weights = make_case(n_src, (3, 5), d, torch.float32, False, True)
     query, key_gain, out_w = _point_params(d, param_dtype, gain, out_norm, rows)
-    composed = (point_fwd_from(cpu.cpu_depth_attention_fwd), point_bwd_from(cpu.cpu_depth_attention_bwd, True),
-                point_bwd_from(cpu.cpu_depth_attention_bwd_into, False))
+    composed = (point_fwd_from(cpu.cpu_depth_attention_fwd), point_bwd_from(cpu.cpu_depth_attention_bwd),
+                point_bwd_into_from(cpu.cpu_depth_attention_bwd_into))
     results = []
     for fwd, bwd, bwd_into in ((cpu.cpu_point_fwd, cpu.cpu_point_bwd, cpu.cpu_point_bwd_into), composed):
         out, weights, rstd, c = fwd(sources, query, key_gain, out_w, EPS, OUT_EPS)

@@ -1222,15 +1222,22 @@ std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out,
   return backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, grads, accumulate);
 }
 
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> depth_attention_bwd(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
-    const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& weights,
-    const at::Tensor& rstd, double out_eps) {
-  Problem p(sources);
+// backward_into with the gradients written into new rows: (grads, dc, d_out_w).
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> backward_new(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_weights, const Problem& p, const at::Tensor& c,
+    const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& weights, const at::Tensor& rstd,
+    double out_eps) {
   auto grads = p.new_sources();
   auto [dc, d_out_w] =
       backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, grads, false);
   return {grads, dc, d_out_w};
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> depth_attention_bwd(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
+    const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& weights,
+    const at::Tensor& rstd, double out_eps) {
+  return backward_new(grad_out, grad_weights, Problem(sources), c, out_norm_weight, weights, rstd, out_eps);
 }
 
 std::tuple<at::Tensor, at::Tensor> depth_attention_bwd_into(
@@ -1243,22 +1250,23 @@ std::tuple<at::Tensor, at::Tensor> depth_attention_bwd_into(
 
 // An aggregation point's kernels in one call each, from its parameters: the query folded (c = g * w, in the
 // accumulator dtype) before the forward, and after the backward the gradients of w, g and the output-norm gain in
-// their own dtypes and shapes (w's `[1, d]` or `[d]`), as autograd forms them through the fold. Between two kernels a
-// model runs a sublayer, and each separate op on these `[d]` vectors then costs the Python and dispatcher work of a
-// cold cache (tens of microseconds per point, more than these products themselves).
+// their own dtypes and shapes (w's `[1, d]` or `[d]`; none for an absent gain), as autograd forms them through the
+// fold. Between two kernels a model runs a sublayer, and each separate op on these `[d]` vectors would then cost the
+// Python and dispatcher work of a cold cache, far more than the products themselves.
 at::Tensor fold_query(const Problem& p, const at::Tensor& query, const std::optional<at::Tensor>& gain) {
   auto w = p.vector(query);
   return gain ? at::mul(w, p.vector(*gain)) : w.clone();  // an output of its own, never a view of the query
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> parameter_grads(const Problem& p, const at::Tensor& dc,
-                                                               const at::Tensor& query,
-                                                               const std::optional<at::Tensor>& gain,
-                                                               const std::optional<at::Tensor>& out_norm_weight,
-                                                               const at::Tensor& d_out_w) {
+using ParameterGrads = std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>>;
+
+ParameterGrads parameter_grads(const Problem& p, const at::Tensor& dc, const at::Tensor& query,
+                               const std::optional<at::Tensor>& gain,
+                               const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& d_out_w) {
   auto d_query = (gain ? at::mul(dc, p.vector(*gain)) : dc).to(query.scalar_type()).view(query.sizes());
-  auto d_gain = gain ? at::mul(dc, p.vector(query)).to(gain->scalar_type()) : at::Tensor();
-  auto d_norm = out_norm_weight ? d_out_w.to(out_norm_weight->scalar_type()) : at::Tensor();
+  std::optional<at::Tensor> d_gain, d_norm;
+  if (gain) d_gain = at::mul(dc, p.vector(query)).to(gain->scalar_type());
+  if (out_norm_weight) d_norm = d_out_w.to(out_norm_weight->scalar_type());
   return {d_query, d_gain, d_norm};
 }
 
@@ -1271,20 +1279,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> point_fwd(
   return {out, weights, rstd, c};
 }
 
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> point_bwd(
+std::tuple<std::vector<at::Tensor>, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> point_bwd(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
     const at::Tensor& c, const at::Tensor& query, const std::optional<at::Tensor>& gain,
     const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& weights, const at::Tensor& rstd,
     double out_eps) {
   Problem p(sources);
-  auto grads = p.new_sources();
-  auto [dc, d_out_w] =
-      backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, grads, false);
+  auto [grads, dc, d_out_w] = backward_new(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps);
   auto [d_query, d_gain, d_norm] = parameter_grads(p, dc, query, gain, out_norm_weight, d_out_w);
   return {grads, d_query, d_gain, d_norm};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> point_bwd_into(
+ParameterGrads point_bwd_into(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
     const at::Tensor& c, const at::Tensor& query, const std::optional<at::Tensor>& gain,
     const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& weights, const at::Tensor& rstd,
@@ -1429,10 +1435,11 @@ TORCH_LIBRARY(attnres_cpu, m) {
   m.def("point_fwd(Tensor[] sources, Tensor query, Tensor? gain, Tensor? out_norm_weight, float eps, float out_eps)"
         " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("point_bwd(Tensor grad_out, Tensor? grad_weights, Tensor[] sources, Tensor c, Tensor query, Tensor? gain,"
-        " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps) -> (Tensor[], Tensor, Tensor, Tensor)");
+        " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps)"
+        " -> (Tensor[], Tensor, Tensor?, Tensor?)");
   m.def("point_bwd_into(Tensor grad_out, Tensor? grad_weights, Tensor[] sources, Tensor c, Tensor query, Tensor? gain,"
         " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps, Tensor(a!) into, bool accumulate)"
-        " -> (Tensor, Tensor, Tensor)");
+        " -> (Tensor, Tensor?, Tensor?)");
   m.def("depth_stats_fwd(Tensor[] sources, Tensor cs, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("depth_stats_bwd(Tensor grad_z, Tensor grad_u, Tensor[] sources, Tensor cs, Tensor m, Tensor rstd)"
         " -> (Tensor[], Tensor)");
