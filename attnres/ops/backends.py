@@ -34,6 +34,10 @@ class Backend:
     point_fwd: Callable | None = None
     point_bwd: Callable | None = None
     point_bwd_into: Callable | None = None
+    # a point as one op with its own autograd node, eagerly on plain tensors (no Python in its forward's wrapper or in
+    # its backward): `depth_attention`'s and `depth_attention_chained`'s (None: their Python autograd Functions)
+    point: Callable | None = None
+    chained_point: Callable | None = None
     stats_fwd: Callable | None = None
     stats_bwd: Callable | None = None
     bank_aggregate: Callable | None = None  # the fused inference ops of attnres.ops.bank, checked (see validated)
@@ -58,7 +62,7 @@ def _cpu_backend() -> Backend | None:
         return None
     return Backend(
         "cpu", cpu.cpu_depth_attention_fwd, cpu.cpu_depth_attention_bwd, cpu.cpu_depth_attention_bwd_into,
-        cpu.cpu_point_fwd, cpu.cpu_point_bwd, cpu.cpu_point_bwd_into,
+        cpu.cpu_point_fwd, cpu.cpu_point_bwd, cpu.cpu_point_bwd_into, cpu.cpu_point, cpu.cpu_chained_point,
         stats_fwd=cpu.cpu_depth_stats_fwd, stats_bwd=cpu.cpu_depth_stats_bwd,
         bank_aggregate=validated(check_bank_aggregate, cpu.cpu_bank_aggregate),
         bank_merge=validated(check_bank_merge, cpu.cpu_bank_merge),

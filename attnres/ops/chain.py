@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from attnres.ops.backends import select_backend
 from attnres.ops.checks import check_depth_attention
 from attnres.ops.depth_attention import (
     depth_attention_fwd,
@@ -60,7 +61,7 @@ class _ChainedPoint(torch.autograd.Function):
     """One point of a chain. Continuing a chain, only its newest source is an input that autograd tracks: the older
     ones (`older`, a tuple that autograd does not look into) get their gradients through the carrier, so an edge to
     each would only cost its bookkeeping, at every point forward and backward. A point that starts a chain tracks
-    every source."""
+    every source. A backend's own `chained_point` op (the CPU's: this Function in C++) takes its place."""
 
     @staticmethod
     def forward(ctx, carrier, query, key_norm_weight, out_norm_weight, eps, out_eps, older, *tracked):
@@ -110,5 +111,8 @@ def depth_attention_chained(
     read these sources plus one more. The mixture and every gradient are `depth_attention`'s."""
     xs, eps, out_eps = check_depth_attention(sources, query, key_norm_weight, eps, out_norm_weight, out_eps)
     check_carrier(carrier, xs)
-    older, tracked = (tuple(xs[:-1]), xs[-1:]) if carrier is not None else ((), xs)
-    return _ChainedPoint.apply(carrier, query, key_norm_weight, out_norm_weight, eps, out_eps, older, *tracked)
+    older, tracked = (xs[:-1], xs[-1:]) if carrier is not None else ([], xs)
+    chained_point = takes_kernels_directly(xs[0]) and select_backend(xs[0]).chained_point
+    if chained_point:
+        return chained_point(tracked, older, carrier, query, key_norm_weight, out_norm_weight, eps, out_eps)
+    return _ChainedPoint.apply(carrier, query, key_norm_weight, out_norm_weight, eps, out_eps, tuple(older), *tracked)

@@ -320,7 +320,8 @@ class _EagerPoint(torch.autograd.Function):
     point, forward and backward, whatever the size). It takes the point's parameters as they are (the kernels fold the
     query and form its gradients: `PointKernels`), so an aggregation point has no fold of its own in the graph, and it
     keeps the backend that served its forward for its backward. Where `takes_kernels_directly` says no,
-    `depth_attention` takes the custom op."""
+    `depth_attention` takes the custom op; where the backend has a `point` op of its own (the CPU's: the same Function
+    in C++), it takes that."""
 
     @staticmethod
     def forward(ctx, query, key_norm_weight, out_norm_weight, eps, out_eps, *sources):
@@ -341,6 +342,11 @@ class _EagerPoint(torch.autograd.Function):
             rstd, ctx.eps, ctx.out_eps,
         )
         return d_query, d_gain, d_out_w, None, None, *grads
+
+
+def eager_point(sources, query, gain, out_norm_weight, eps, out_eps):
+    """`Backend.point` where a backend has none: (out, weights, rstd) through `_EagerPoint`."""
+    return _EagerPoint.apply(query, gain, out_norm_weight, eps, out_eps, *sources)
 
 
 def depth_attention(
@@ -371,7 +377,8 @@ def depth_attention(
     """
     xs, eps, out_eps = check_depth_attention(sources, query, key_norm_weight, eps, out_norm_weight, out_eps)
     if takes_kernels_directly(xs[0]):
-        out, weights, _ = _EagerPoint.apply(query, key_norm_weight, out_norm_weight, eps, out_eps, *xs)
+        point = select_backend(xs[0]).point or eager_point
+        out, weights, _ = point(xs, query, key_norm_weight, out_norm_weight, eps, out_eps)
     else:
         c = fold_query(query, key_norm_weight, accumulator_dtype(xs[0].dtype))
         out, weights, _ = depth_attention_fwd(xs, c, out_norm_weight, eps, out_eps)

@@ -8,6 +8,8 @@ early, and the errors.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -201,11 +203,35 @@ def test_a_continuing_point_tracks_only_its_newest_source(backend):
     first, carrier = depth_attention_chained(xs[:2], None, q, gain)
     out, _ = depth_attention_chained(xs, carrier, q, gain)
 
-    def leaves(t):
-        return [fn.variable for fn, _ in t.grad_fn.next_functions if fn is not None and hasattr(fn, "variable")]
+    def leaves(t):  # in any order: the C++ point (the CPU's) takes its sources first
+        return sorted(id(fn.variable) for fn, _ in t.grad_fn.next_functions if hasattr(fn, "variable"))
 
-    assert [id(t) for t in leaves(first)] == [id(t) for t in (q, gain, *xs[:2])]
-    assert [id(t) for t in leaves(out)] == [id(t) for t in (q, gain, xs[2])]
+    assert leaves(first) == sorted(map(id, (q, gain, *xs[:2])))
+    assert leaves(out) == sorted(map(id, (q, gain, xs[2])))
     assert carrier.grad_fn in [fn for fn, _ in out.grad_fn.next_functions]
     out.sum().backward()
     assert all(x.grad is not None for x in xs)
+
+
+@pytest.mark.skipif(cpu.disabled() or not cpu.available(), reason="CPU kernel unavailable")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cut", [None, 3], ids=["one-chain", "cut-at-3"])
+@pytest.mark.parametrize("side_use", [False, True], ids=["", "side-use"])
+def test_the_cpu_chained_point_op_is_its_python_function_in_cpp(monkeypatch, dtype, cut, side_use):
+    """On CPU a chain's points are the `chained_point` op, whose autograd node is C++: its values and every gradient
+    are those of `_ChainedPoint`, the Function it replaces, bit for bit, through cuts and gradients from outside."""
+    from attnres.ops import chain
+
+    def run():
+        loss, leaves = full_graph(True, dtype, cut=cut, side_use=side_use)
+        return [loss, *torch.autograd.grad(loss, leaves)]
+
+    monkeypatch.setenv(backends.BACKEND_ENV, "auto")
+    with monkeypatch.context() as m:
+        m.setattr(chain._ChainedPoint, "apply", None)  # the Python Function must not run
+        cpp = run()
+    cpu_backend = backends.select_backend(torch.empty(1, 24))
+    monkeypatch.setattr(chain, "select_backend", lambda x: dataclasses.replace(cpu_backend, chained_point=None))
+    python = run()
+    for a, b in zip(cpp, python):
+        assert torch.equal(a, b)

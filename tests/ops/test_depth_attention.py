@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from attnres import depth_attention, naive_depth_attention
+from attnres.ops import cpu
 from attnres.ops.depth_attention import fold_query
 from tests import TOL, Tol, assert_all_close, assert_close, error_ratios, leaves
 
@@ -383,3 +384,35 @@ def test_fake_tensors_take_the_custom_op_and_its_fake_kernels():
         assert out.shape == (2, 5, 16) and xs[0].grad.shape == (2, 5, 16) and q.grad.shape == (16,)
         mixed, carrier = depth_attention_chained(xs, None, q)
         assert mixed.shape == (2, 5, 16) and carrier.shape == (3, 2, 5, 16)
+
+
+@pytest.mark.skipif(cpu.disabled() or not cpu.available(), reason="CPU kernel unavailable")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("loss_on", ["both", "weights-only"])
+@pytest.mark.parametrize("params", ["gain-onorm", "bare"])
+def test_the_cpu_point_op_is_its_python_function_in_cpp(dtype, loss_on, params):
+    """Eagerly on CPU, `depth_attention` is the `point` op, whose autograd node is C++ (no Python in its backward):
+    its values and every gradient are those of `_EagerPoint`, the Function it replaces, bit for bit, also where only
+    the weights reach the loss (no output gradient) and where the gain and output norm are absent."""
+    from attnres.ops.depth_attention import eager_point
+
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(2, 9, 40, generator=g).to(dtype).requires_grad_() for _ in range(3)]
+    q = torch.randn(1, 40, generator=g).requires_grad_()
+    gain, out_w = ((1 + torch.randn(40, generator=g) / 4).requires_grad_() for _ in range(2))
+    if params == "bare":
+        gain = out_w = None
+
+    def run(point):
+        out, weights, _ = point(xs, q, gain, out_w, 1e-6, 1e-5)
+        loss = (weights * torch.arange(3.0).view(3, 1, 1)).sum()
+        loss = loss + out.float().square().sum() if loss_on == "both" else loss
+        leaves = [t for t in (*xs, q, gain, out_w) if t is not None]
+        return [out, weights, *torch.autograd.grad(loss, leaves)], out.grad_fn
+
+    (cpp, node), (python, _) = run(cpu.cpu_point), run(eager_point)
+    assert type(node).__name__ == "CppFunction"  # the C++ node, not a Python Function's
+    for a, b in zip(cpp, python):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    with torch.inference_mode():  # inference tensors skip autograd: the op's CPU kernel
+        assert torch.equal(cpu.cpu_point([x.detach() for x in xs], q, gain, out_w, 1e-6, 1e-5)[0], cpp[0])

@@ -3,7 +3,8 @@ ops: a compiled kernel that streams each source once (for all queries of phase 1
 the bank rows `bank[:, j]`, in place.
 
 The functions are the CPU kernels of the `attnres::depth_attention_fwd/bwd` and `attnres::depth_stats_fwd/bwd` custom
-ops, of an aggregation point from its parameters (`attnres.ops.depth_attention.PointKernels`) and of
+ops, of an aggregation point from its parameters (`attnres.ops.depth_attention.PointKernels`, and as whole ops with
+their own autograd: `Backend.point` and `chained_point`) and of
 `attnres.ops.bank.bank_aggregate/bank_merge`; the contracts and the argument checks live with those ops.
 `available()` says whether the kernel could be built and loaded (it compiles on first call, see `build.py`; the
 reason for a failure is logged once) and is False when `ATTNRES_DISABLE_CPU_KERNEL=1`.
@@ -95,6 +96,17 @@ def cpu_point_bwd_into(
     return _ops().point_bwd_into(
         grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, out_eps, into, accumulate
     )
+
+
+def cpu_point(sources, query, gain, out_norm_weight, eps, out_eps):
+    """`Backend.point`: (out, weights, rstd) of `depth_attention`'s eager point, its backward a C++ autograd node."""
+    return _ops().point(sources, query, gain, out_norm_weight, eps, out_eps)
+
+
+def cpu_chained_point(tracked, older, carrier, query, gain, out_norm_weight, eps, out_eps):
+    """`Backend.chained_point`: (out, carrier) of a point of `depth_attention_chained`, its backward a C++ autograd
+    node; only `tracked` are autograd inputs."""
+    return _ops().chained_point(tracked, older, carrier, query, gain, out_norm_weight, eps, out_eps)
 
 
 def cpu_depth_stats_fwd(sources, cs, eps):

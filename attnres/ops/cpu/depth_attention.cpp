@@ -26,7 +26,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/empty_strided.h>
 #include <ATen/ops/zeros_like.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -1301,6 +1303,133 @@ ParameterGrads point_bwd_into(
   return parameter_grads(p, dc, query, gain, out_norm_weight, d_out_w);
 }
 
+// An aggregation point as one op with its own autograd node (the ops `point` and `chained_point`, the CPU twins of
+// `_EagerPoint` and `_ChainedPoint` in attnres/ops/depth_attention.py and chain.py, which they equal bit for bit):
+// between two points a model runs a sublayer, and a Python autograd Function then pays a cold cache's interpreter work
+// to enter its forward, to unpack what it saved and to build its gradients, at every point, forward and backward.
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::optional<at::Tensor> present(const at::Tensor& t) { return t.defined() ? std::optional(t) : std::nullopt; }
+
+at::Tensor grad_or_zeros(const at::Tensor& grad, const at::Tensor& like) {  // the kernels' contiguous grad_out
+  return grad.defined() ? grad.contiguous() : at::zeros_like(like);
+}
+
+// Saved for the backward: c, the parameters (undefined where absent), weights, rstd, then the sources.
+struct SavedPoint {
+  at::Tensor c, query;
+  std::optional<at::Tensor> gain, out_norm_weight;
+  at::Tensor weights, rstd;
+  std::vector<at::Tensor> sources;
+
+  static void save(AutogradContext* ctx, const std::vector<at::Tensor>& head, at::TensorList sources) {
+    variable_list saved(head);
+    saved.insert(saved.end(), sources.begin(), sources.end());
+    ctx->save_for_backward(std::move(saved));
+  }
+  explicit SavedPoint(AutogradContext* ctx) {
+    auto saved = ctx->get_saved_variables();
+    c = saved[0], query = saved[1], gain = present(saved[2]), out_norm_weight = present(saved[3]);
+    weights = saved[4], rstd = saved[5];
+    sources.assign(saved.begin() + 6, saved.end());
+  }
+};
+
+// (out, weights, rstd): depth_attention's eager point. The weights carry a gradient; rstd does not.
+struct Point : torch::autograd::Function<Point> {
+  static variable_list forward(AutogradContext* ctx, at::TensorList sources, const at::Tensor& query,
+                               const std::optional<at::Tensor>& gain,
+                               const std::optional<at::Tensor>& out_norm_weight, double eps, double out_eps) {
+    auto [out, weights, rstd, c] = point_fwd(sources, query, gain, out_norm_weight, eps, out_eps);
+    SavedPoint::save(ctx, {c, query, gain.value_or(at::Tensor()), out_norm_weight.value_or(at::Tensor()), weights,
+                           rstd}, sources);
+    ctx->saved_data["out_eps"] = out_eps;
+    ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);
+    return {out, weights, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    SavedPoint s(ctx);
+    auto [dx, d_query, d_gain, d_norm] =
+        point_bwd(grad_or_zeros(grads[0], s.sources[0]), present(grads[1]), s.sources, s.c, s.query, s.gain,
+                  s.out_norm_weight, s.weights, s.rstd, ctx->saved_data["out_eps"].toDouble());
+    variable_list out(dx.begin(), dx.end());  // one per argument of forward: sources, parameters, the epsilons
+    out.insert(out.end(), {d_query, d_gain.value_or(at::Tensor()), d_norm.value_or(at::Tensor()), {}, {}});
+    return out;
+  }
+};
+
+// (out, carrier): a point of a Full chain (attnres/ops/chain.py). Only `tracked` are autograd inputs; `older`, a
+// std::vector that autograd does not look into, get their gradients through the carrier.
+struct ChainedPoint : torch::autograd::Function<ChainedPoint> {
+  static variable_list forward(AutogradContext* ctx, at::TensorList tracked, const std::vector<at::Tensor>& older,
+                               const std::optional<at::Tensor>& carrier, const at::Tensor& query,
+                               const std::optional<at::Tensor>& gain,
+                               const std::optional<at::Tensor>& out_norm_weight, double eps, double out_eps) {
+    std::vector<at::Tensor> sources(older);
+    sources.insert(sources.end(), tracked.begin(), tracked.end());
+    auto [out, weights, rstd, c] = point_fwd(sources, query, gain, out_norm_weight, eps, out_eps);
+    SavedPoint::save(ctx, {c, query, gain.value_or(at::Tensor()), out_norm_weight.value_or(at::Tensor()), weights,
+                           rstd}, sources);
+    ctx->saved_data["out_eps"] = out_eps;
+    ctx->saved_data["continues"] = carrier.has_value();
+    ctx->set_materialize_grads(false);  // an unused carrier ends the chain: no zero buffer for it
+    std::vector<int64_t> sizes{int64_t(sources.size())};
+    sizes.insert(sizes.end(), sources[0].sizes().begin(), sources[0].sizes().end());
+    // the carrier's value is nothing: one element, zero strides
+    return {out, at::empty_strided(sizes, std::vector<int64_t>(sizes.size(), 0), sources[0].options())};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    SavedPoint s(ctx);
+    const auto& x = s.sources[0];
+    const bool accumulate = grads[1].defined(), continues = ctx->saved_data["continues"].toBool();
+    at::Tensor into;
+    if (accumulate) {  // the later points' sums, added onto in place; anything but our own buffer is copied first
+      into = grads[1].contiguous();
+    } else {
+      std::vector<int64_t> sizes{int64_t(s.sources.size())};
+      sizes.insert(sizes.end(), x.sizes().begin(), x.sizes().end());
+      into = at::empty(sizes, x.options());
+    }
+    // no grad_out where only the carrier is used further on: nothing of this point's own to add (zeros)
+    auto [d_query, d_gain, d_norm] =
+        point_bwd_into(grad_or_zeros(grads[0], x), std::nullopt, s.sources, s.c, s.query, s.gain, s.out_norm_weight,
+                       s.weights, s.rstd, ctx->saved_data["out_eps"].toDouble(), into, accumulate);
+    // the newest source is complete; the older ones go on summing in the previous point
+    const int64_t n = into.size(0);
+    variable_list out;
+    if (continues) {
+      out.push_back(into[n - 1]);
+    } else {
+      for (int64_t j = 0; j < n; ++j) out.push_back(into[j]);
+    }
+    at::Tensor back = continues ? into.narrow(0, 0, n - 1) : at::Tensor();
+    out.insert(out.end(), {at::Tensor(), back, d_query, d_gain.value_or(at::Tensor()),
+                           d_norm.value_or(at::Tensor()), {}, {}});
+    return out;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> point(at::TensorList sources, const at::Tensor& query,
+                                                     const std::optional<at::Tensor>& gain,
+                                                     const std::optional<at::Tensor>& out_norm_weight, double eps,
+                                                     double out_eps) {
+  auto r = Point::apply(sources, query, gain, out_norm_weight, eps, out_eps);
+  return {r[0], r[1], r[2]};
+}
+
+std::tuple<at::Tensor, at::Tensor> chained_point(at::TensorList tracked, at::TensorList older,
+                                                 const std::optional<at::Tensor>& carrier, const at::Tensor& query,
+                                                 const std::optional<at::Tensor>& gain,
+                                                 const std::optional<at::Tensor>& out_norm_weight, double eps,
+                                                 double out_eps) {
+  auto r = ChainedPoint::apply(tracked, older.vec(), carrier, query, gain, out_norm_weight, eps, out_eps);
+  return {r[0], r[1]};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_stats_fwd(at::TensorList sources,
                                                                           const at::Tensor& cs, double eps) {
   Problem p(sources);
@@ -1440,6 +1569,10 @@ TORCH_LIBRARY(attnres_cpu, m) {
   m.def("point_bwd_into(Tensor grad_out, Tensor? grad_weights, Tensor[] sources, Tensor c, Tensor query, Tensor? gain,"
         " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps, Tensor(a!) into, bool accumulate)"
         " -> (Tensor, Tensor?, Tensor?)");
+  m.def("point(Tensor[] sources, Tensor query, Tensor? gain, Tensor? out_norm_weight, float eps, float out_eps)"
+        " -> (Tensor, Tensor, Tensor)");
+  m.def("chained_point(Tensor[] tracked, Tensor[] older, Tensor? carrier, Tensor query, Tensor? gain,"
+        " Tensor? out_norm_weight, float eps, float out_eps) -> (Tensor, Tensor)");
   m.def("depth_stats_fwd(Tensor[] sources, Tensor cs, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("depth_stats_bwd(Tensor grad_z, Tensor grad_u, Tensor[] sources, Tensor cs, Tensor m, Tensor rstd)"
         " -> (Tensor[], Tensor)");
@@ -1456,8 +1589,17 @@ TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("point_fwd", &point_fwd);
   m.impl("point_bwd", &point_bwd);
   m.impl("point_bwd_into", &point_bwd_into);
+  m.impl("point", &point);
+  m.impl("chained_point", &chained_point);
   m.impl("depth_stats_fwd", &depth_stats_fwd);
   m.impl("depth_stats_bwd", &depth_stats_bwd);
   m.impl("bank_aggregate", &bank_aggregate);
   m.impl("bank_merge", &bank_merge);
+}
+
+// The two points are their own autograd: the same kernel serves the Autograd key and, for inference tensors (which
+// skip it), the CPU key.
+TORCH_LIBRARY_IMPL(attnres_cpu, Autograd, m) {
+  m.impl("point", &point);
+  m.impl("chained_point", &chained_point);
 }
