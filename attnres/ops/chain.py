@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from attnres.ops.backends import select_backend
 from attnres.ops.checks import check_depth_attention
@@ -77,6 +78,7 @@ class _ChainedPoint(torch.autograd.Function):
         return out, torch.empty_strided((len(sources), *x.shape), (0,) * (x.dim() + 1), dtype=x.dtype, device=x.device)
 
     @staticmethod
+    @once_differentiable  # the kernels are not differentiable: a second derivative raises instead of missing terms
     def backward(ctx, grad_out, grad_carrier):
         c, query, gain, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
         x = sources[0]

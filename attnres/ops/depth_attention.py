@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from attnres.ops.backends import Backend, select_backend
 from attnres.ops.checks import check_depth_attention
@@ -335,6 +336,7 @@ class _EagerPoint(torch.autograd.Function):
         return out, weights, rstd
 
     @staticmethod
+    @once_differentiable  # the kernels are not differentiable: a second derivative raises instead of missing terms
     def backward(ctx, grad_out, grad_weights, grad_rstd):
         c, query, gain, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
         grads, d_query, d_gain, d_out_w = ctx.kernels.point_bwd(

@@ -416,3 +416,27 @@ def test_the_cpu_point_op_is_its_python_function_in_cpp(dtype, loss_on, params):
         assert a.dtype == b.dtype and torch.equal(a, b)
     with torch.inference_mode():  # inference tensors skip autograd: the op's CPU kernel
         assert torch.equal(cpu.cpu_point([x.detach() for x in xs], q, gain, out_w, 1e-6, 1e-5)[0], cpp[0])
+
+
+@pytest.mark.parametrize("path", ["python", pytest.param("cpu", marks=pytest.mark.skipif(
+    cpu.disabled() or not cpu.available(), reason="CPU kernel unavailable")), "chained-python", pytest.param(
+    "chained-cpu", marks=pytest.mark.skipif(cpu.disabled() or not cpu.available(), reason="CPU kernel unavailable"))])
+def test_a_second_derivative_raises_instead_of_missing_the_points_terms(path):
+    """The kernels' backward is not differentiable. Under create_graph the first derivatives are right; differentiating
+    them again raises, where it used to drop the point's terms from the second derivative in silence."""
+    from attnres.ops import chain
+    from attnres.ops.depth_attention import eager_point
+
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
+    q, gain = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+    if path.startswith("chained"):
+        out = (cpu.cpu_chained_point(xs, [], None, q, gain, None, 1e-6, 1e-6) if path == "chained-cpu" else
+               chain._ChainedPoint.apply(None, q, gain, None, 1e-6, 1e-6, (), *xs))[0]
+    else:
+        out = (cpu.cpu_point if path == "cpu" else eager_point)(xs, q, gain, None, 1e-6, 1e-6)[0]
+    first = torch.autograd.grad(out.square().sum(), [xs[0], q], create_graph=True)
+    expected = torch.autograd.grad(naive_depth_attention(xs, q, gain).square().sum(), [xs[0], q])
+    for a, b in zip(first, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="differentiate"):
+        (first[0].square().sum() + first[1].sum()).backward()

@@ -29,6 +29,7 @@
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/library.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -1316,6 +1317,27 @@ at::Tensor grad_or_zeros(const at::Tensor& grad, const at::Tensor& like) {  // t
   return grad.defined() ? grad.contiguous() : at::zeros_like(like);
 }
 
+// A point's backward (`gradients`, run without building a graph) is not itself differentiable, its kernels are not: as
+// with Python's @once_differentiable, under create_graph the gradients it returns raise when differentiated again,
+// never a silently partial graph.
+template <class F>
+variable_list once_differentiable(const variable_list& grad_outputs, F&& gradients) {
+  variable_list grads;
+  {
+    at::AutoGradMode no_graph(false);
+    grads = gradients();
+  }
+  const bool tracked = std::any_of(grad_outputs.begin(), grad_outputs.end(),
+                                   [](const at::Tensor& g) { return g.defined() && g.requires_grad(); });
+  if (!at::GradMode::is_enabled() || !tracked) return grads;
+  for (auto& g : grads)
+    if (g.defined()) g = g.detach().requires_grad_(true);
+  return torch::autograd::DelayedError("attnres_cpu: a depth-attention point's backward is not differentiable: "
+                                       "it cannot be differentiated twice (create_graph)",
+                                       int64_t(grads.size()))
+      .apply(std::move(grads));
+}
+
 // Saved for the backward: c, the parameters (undefined where absent), weights, rstd, then the sources.
 struct SavedPoint {
   at::Tensor c, query;
@@ -1351,6 +1373,10 @@ struct Point : torch::autograd::Function<Point> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return once_differentiable(grads, [&] { return gradients(ctx, grads); });
+  }
+
+  static variable_list gradients(AutogradContext* ctx, const variable_list& grads) {
     SavedPoint s(ctx);
     auto [dx, d_query, d_gain, d_norm] =
         point_bwd(grad_or_zeros(grads[0], s.sources[0]), present(grads[1]), s.sources, s.c, s.query, s.gain,
@@ -1383,6 +1409,10 @@ struct ChainedPoint : torch::autograd::Function<ChainedPoint> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return once_differentiable(grads, [&] { return gradients(ctx, grads); });
+  }
+
+  static variable_list gradients(AutogradContext* ctx, const variable_list& grads) {
     SavedPoint s(ctx);
     const auto& x = s.sources[0];
     const bool accumulate = grads[1].defined(), continues = ctx->saved_data["continues"].toBool();
