@@ -3,14 +3,15 @@ unchanged AttnRes model as torchtitan applies its TP plan.
 
 Inside each sublayer the family's own transformers TP plan (`base_model_tp_plan`: q/k/v and gate/up `ColwiseParallel`,
 o/down `RowwiseParallel`) splits the attention heads and the MLP columns over the P ranks of a 1-D `DeviceMesh`. An
-MoE sublayer's experts (Qwen3-MoE, Mixtral) are split by transformers' own expert styles from the same plan (each
-rank holds its columns of every expert); its router sees every token, replicated.
+MoE sublayer's experts (Qwen3-MoE, Mixtral) are split by transformers' own expert-parallel styles from the family's
+`base_model_ep_plan` (each rank holds E/P whole experts, `grouped_gemm`); its router sees every token, replicated.
 Outside the sublayers everything AttnRes keeps (the Block bank rows and prefix, the Full sources, the standard
 residual) lives sharded along the sequence: each rank holds tokens `[r*T/P, (r+1)*T/P)` of every row, and the depth
 attention, which never mixes tokens, runs there on plain local tensors with no communication (our ops need no DTensor
 rules). Each sublayer body all-gathers its normed input along the sequence (`PrepareModuleInput`: Shard(1) ->
 Replicate) and reduce-scatters its output (`RowwiseParallel`'s partial sums -> Shard(1), `PrepareModuleOutput`; an
-MoE sublayer's output, all-reduced by transformers' `moe_tp_experts`, is sliced instead).
+MoE sublayer's output, all-reduced by transformers' `ep_dispatch_experts` in its `all_reduce` implementation, is
+sliced instead).
 
 The family's base model computes the rotary embeddings and the attention mask for the whole sequence, which is what
 the gathered attention body sees. Around the stream:
@@ -58,8 +59,9 @@ HEADS = Shard(-2)  # [batch, seq, heads, head_dim]: a per-head norm's input insi
 _PER_HEAD_NORM = "replicated_with_grad_allreduce"  # a norm on this rank's heads, replicated
 # what the family's transformers TP plan may say inside a dense sublayer body
 _DENSE_STYLES = ("colwise", "rowwise", _PER_HEAD_NORM)
-# an MoE body: its experts module and the style transformers gives it
-_EXPERTS, _EXPERTS_STYLE = "experts", "moe_tp_experts"
+# an MoE body: its experts module and the expert-parallel style transformers gives it, which dispatches the body's
+# tokens (every rank holds all of them, gathered) by an all-reduce: each rank runs its own experts on every token
+_EXPERTS, _EXPERTS_STYLE, _EXPERTS_DISPATCH = "experts", "ep_dispatch_experts", "all_reduce"
 
 
 class TensorParallel:
@@ -257,13 +259,15 @@ def _parallelize_body(tp: TensorParallel, body: nn.Module, side, plan: dict[str,
     reduced back to the sequence layout as local tensors.
 
     A dense body's output projection leaves partial sums, reduce-scattered by the body's output hook. An MoE body's
-    experts run transformers' own TP styles ("packed_colwise", "rowwise" on the 3-D expert weights, and
-    "moe_tp_experts", which all-reduces their output and their input gradients); its output is then whole, and the
-    output hook keeps this rank's tokens."""
+    experts run transformers' own expert-parallel styles ("grouped_gemm": E/P whole experts a rank;
+    "ep_dispatch_experts" with the "all_reduce" implementation: every rank runs its experts on every token, the routes
+    to other ranks' experts masked, and all-reduces their output and the gradients of their inputs); its output is then
+    whole, and the output hook keeps this rank's tokens."""
     if _is_moe(plan):
-        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
 
-        apply_tensor_parallelism(body, mesh, plan)
+        # the ranks that share a batch are the expert group itself: the body's input is gathered on every rank
+        apply_expert_parallelism(body, mesh, mesh, plan, ep_implementation=_EXPERTS_DISPATCH)
         output: Placement = Replicate()
     else:
         for name, style in plan.items():
@@ -291,8 +295,10 @@ def _is_moe(plan: dict[str, str]) -> bool:
 
 
 def _family_plan(config, sides) -> dict[str, dict[str, str]]:
-    """{body name: {path inside the body: style}}: the family's transformers TP plan on the decoder layers' bodies."""
-    plan = getattr(config.text_config, "base_model_tp_plan", None) or {}
+    """{body name: {path inside the body: style}}: the family's transformers TP plan on the decoder layers' bodies,
+    with its expert-parallel plan for the experts of MoE bodies."""
+    text = config.text_config
+    plan = {**(getattr(text, "base_model_tp_plan", None) or {}), **(getattr(text, "base_model_ep_plan", None) or {})}
     bodies = {side.body: {} for side in sides}
     for key, style in plan.items():
         layers, star, body, *path = key.split(".")
@@ -304,28 +310,30 @@ def _family_plan(config, sides) -> dict[str, dict[str, str]]:
 def _body_plan(config, name: str, body: nn.Module, entries: dict[str, str], world_size: int) -> dict[str, str]:
     """The entries of the family plan that name something this body has (an MoE model's dense layers have no
     experts, its sparse ones no dense projections), checked: a dense body (column-parallel input projections, one
-    row-parallel output projection, per-head norms) or an MoE body (transformers' expert styles, nothing else)."""
+    row-parallel output projection, per-head norms) or an MoE body (transformers' expert-parallel styles, nothing
+    else)."""
     family = config.base_model_type
     plan = {path: style for path, style in entries.items() if _has(body, path)}
     if _is_moe(plan):
-        allowed = {_EXPERTS: (_EXPERTS_STYLE,), f"{_EXPERTS}.gate_up_proj": ("packed_colwise",),
-                   f"{_EXPERTS}.down_proj": ("rowwise",)}
-        wrong = {path: style for path, style in plan.items() if style not in allowed.get(path, ())}
-        if wrong or len(plan) != len(allowed):
+        allowed = {_EXPERTS: _EXPERTS_STYLE, f"{_EXPERTS}.gate_up_proj": "grouped_gemm",
+                   f"{_EXPERTS}.down_proj": "grouped_gemm"}
+        if plan != allowed:
             raise ValueError(
-                f"base_model_type: the {family!r} TP plan gives the experts of sublayer {name!r} {plan}; AttnRes "
-                f"tensor parallel runs MoE sublayers whose only sharded parts are transformers' expert styles "
-                f"(packed_colwise gate_up_proj, rowwise down_proj, moe_tp_experts)"
+                f"base_model_type: the {family!r} TP and EP plans give the experts of sublayer {name!r} {plan}; AttnRes "
+                f"tensor parallel runs MoE sublayers whose only sharded parts are transformers' expert-parallel "
+                f"styles (grouped_gemm gate_up_proj and down_proj, ep_dispatch_experts)"
             )
-        experts = body.get_submodule(_EXPERTS)
-        _check_split(family, f"{name}.{_EXPERTS}.down_proj", experts.down_proj.shape[-1], world_size)
+        experts = body.get_submodule(_EXPERTS).num_experts
+        if experts % world_size:
+            raise ValueError(f"mesh: the {family!r} sublayer {name!r} has {experts} experts, which do not split over "
+                             f"{world_size} tensor-parallel ranks")
         return plan
     wrong = {path: style for path, style in plan.items() if "." in path or style not in _DENSE_STYLES}
     if wrong:
         path, style = next(iter(wrong.items()))
         raise ValueError(
             f"base_model_type: the {family!r} TP plan shards 'layers.*.{name}.{path}' as {style!r}; AttnRes tensor "
-            f"parallel supports colwise/rowwise linears, per-head norms and transformers' MoE expert styles"
+            f"parallel supports colwise/rowwise linears, per-head norms and transformers' MoE expert-parallel styles"
         )
     styles = list(plan.values())
     if styles.count("rowwise") != 1 or "colwise" not in styles:

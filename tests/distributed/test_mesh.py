@@ -30,7 +30,7 @@ MESHES = {
                                       base_config=dict(head_dim=8, sliding_window=8, final_logit_softcapping=30.0)),
     "dp_shard 2 x tp 2, gemma2": dict(dp_shard=2, tp=2, base="gemma2",
                                       base_config=dict(head_dim=8, sliding_window=8, final_logit_softcapping=30.0)),
-    # experts split over the tensor-parallel ranks (transformers' expert styles), FSDP2 over the rest
+    # whole experts split over the tensor-parallel ranks (transformers' expert-parallel styles), FSDP2 over the rest
     "dp_shard 2 x tp 2, qwen3_moe": dict(dp_shard=2, tp=2, base="qwen3_moe",
                                          base_config=dict(head_dim=8, num_experts=4, num_experts_per_tok=2)),
 }

@@ -23,7 +23,8 @@ CASES = {
     "block": {"residual": "block", "attn_res_block_size": 2},
     "block, tied head": {"residual": "block", "attn_res_block_size": 1, "tie_word_embeddings": True},
     "qwen3 (per-head norms in the attention)": {"base_model_type": "qwen3", "residual": "full", "head_dim": 8},
-    # experts over the ranks by transformers' own expert styles; layer 1 dense (an MoE model's mlp_only_layers)
+    # whole experts over the ranks by transformers' own expert-parallel styles; layer 1 dense (an MoE model's
+    # mlp_only_layers)
     "qwen3_moe": {"base_model_type": "qwen3_moe", "residual": "block", "attn_res_block_size": 2, "head_dim": 8,
                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": [1]},
     "mixtral": {"base_model_type": "mixtral", "residual": "full", "num_local_experts": 4, "num_experts_per_tok": 2},
@@ -174,8 +175,8 @@ def tensor_parallel_checks(rank: int) -> dict:
     _check_checkpointing(input_ids[:, :SEQ], "qwen3 (per-head norms in the attention)")  # replicated inside a body
     with pytest.raises(ValueError, match="num_key_value_heads = 1 does not split over 2"):
         parallelize_tensor(_model("standard", num_key_value_heads=1))
-    with pytest.raises(ValueError, match="the 'qwen3_moe' mlp.experts.down_proj has 5 columns, which do not split"):
-        parallelize_tensor(_model("qwen3_moe", moe_intermediate_size=5, mlp_only_layers=[]))
+    with pytest.raises(ValueError, match="the 'qwen3_moe' sublayer 'mlp' has 3 experts, which do not split over 2"):
+        parallelize_tensor(_model("qwen3_moe", num_experts=3, mlp_only_layers=[]))
     return results
 
 
@@ -198,8 +199,8 @@ def test_tensor_parallel_equals_one_process(tp_results):
             assert result[case]["cache_keys"] == (BATCH, kv // 2, SEQ + 1, head_dim)
             assert result[case]["tied"] == CASES[case].get("tie_word_embeddings", False)
             moe = CASES[case].get("moe_intermediate_size", TINY["intermediate_size"])  # Mixtral's: intermediate_size
-            experts = [(4, moe, d), (4, d, moe // 2)] if "num_experts_per_tok" in CASES[case] else None
-            assert result[case]["experts"] == experts  # each rank: half of every expert's columns
+            experts = [(2, 2 * moe, d), (2, d, moe)] if "num_experts_per_tok" in CASES[case] else None
+            assert result[case]["experts"] == experts  # each rank: two whole experts of the four
 
 
 def test_needs_a_mesh_or_a_process_group():
