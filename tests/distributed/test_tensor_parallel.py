@@ -1,7 +1,7 @@
 """Tensor + sequence parallel on 2 gloo ranks equals one process: logits, loss, every gradient and the residual state
 (each rank's token rows), for standard, Full and Block (and a tied head), per-head norms (Qwen3) and MoE experts
-(Qwen3-MoE, Mixtral); then a prefill with a KV cache and one decode step, and `generate`; FSDP2 x TP on a 1 x 2 and
-a 2 x 1 mesh."""
+(Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert); then a prefill with a KV cache and one decode step, and
+`generate`; FSDP2 x TP on a 1 x 2 and a 2 x 1 mesh."""
 
 import copy
 
@@ -28,6 +28,9 @@ CASES = {
     "qwen3_moe": {"base_model_type": "qwen3_moe", "residual": "block", "attn_res_block_size": 2, "head_dim": 8,
                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": [1]},
     "mixtral": {"base_model_type": "mixtral", "residual": "full", "num_local_experts": 4, "num_experts_per_tok": 2},
+    # a shared expert beside the routed ones: it runs whole on every rank, on the body's gathered tokens
+    "qwen2_moe": {"base_model_type": "qwen2_moe", "residual": "full", "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24},
 }
 BATCH, SEQ = 2, 8
 
