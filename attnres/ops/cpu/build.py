@@ -4,7 +4,7 @@ The kernel is built by the system C++ compiler (`$CXX`, default `c++`) straight 
 registers its ops with the PyTorch dispatcher: no ninja, no pybind11, no Python headers. It is compiled for the
 machine it runs on (`-march=native`) and cached under `$ATTNRES_CACHE_DIR` (default `~/.cache/attnres`), keyed by
 the source, the torch version, the compiler command and the CPU, so a later process only loads it. A build takes
-about 20 s of CPU time, once per machine and torch version.
+about 45 s of one core, once per machine and torch version.
 """
 
 from __future__ import annotations
