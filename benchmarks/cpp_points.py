@@ -11,32 +11,20 @@ between rounds is part of the result. Prints each step's time, the time the C++ 
 ratios to the standard model with the same points; writes the raw figures as JSON to `--out`.
 
     python -m benchmarks.cpp_points
-    python -m benchmarks.cpp_points --rounds 3 --repeats 30 --out docs/cpp_points.json
+    python -m benchmarks.cpp_points --rounds 4 --repeats 30 --out docs/cpp_points.json
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-from pathlib import Path
 
 import torch
 
 from attnres.bench import models
-from attnres.bench.timing import median_times
 from attnres.ops import backends
+from benchmarks.full_chain import parse_args, timed_steps
 from benchmarks.gloo_ranks import write_record
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=20, help="timed steps per model and size (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=1, help="times the whole measurement runs (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own count)")
-    p.add_argument("--out", type=Path, default=None, help="JSON record to write (default: print only)")
-    return p.parse_args(argv)
 
 
 PYTHON = "python points"
@@ -65,31 +53,27 @@ def python_points(step):
     return run
 
 
+def with_python_points(steps: dict) -> dict:
+    """Each model's step again, with its points through the Python Functions."""
+    return {with_points(PYTHON, kind): python_points(step) for kind, step in steps.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    args = parse_args(argv, __doc__)
     built = models.build_small_models(kinds=("standard", "block", "full"))
     if backends.select_backend(next(built["full"].parameters())).point is None:
         raise SystemExit("the CPU backend's point ops are unavailable here (no CPU kernel): nothing to compare")
-    rounds = []
-    for r in range(args.rounds):
-        results = {}
-        for batch, tokens in ((16, 128), (1, 4)):
-            ids = torch.randint(0, 256, (batch, tokens), generator=torch.Generator().manual_seed(0))
-            steps = {kind: models.training_step(model, ids) for kind, model in built.items()}
-            steps |= {f"{kind} {PYTHON}": python_points(step) for kind, step in steps.items()}
-            ms = {kind: 1e3 * s for kind, s in median_times(steps, args.repeats, args.warmup).items()}
-            ratios = {variant: {kind: ms[with_points(variant, "standard")] / ms[with_points(variant, kind)]
-                                for kind in built} for variant in ("cpp", PYTHON)}
-            saved = {kind: ms[with_points(PYTHON, kind)] - ms[kind] for kind in built}
-            results[f"{batch}x{tokens}"] = {"ms": ms, "saved_ms": saved, "tokens_per_s_vs_standard": ratios}
-            print(f"round {r + 1}, {batch} x {tokens} tokens:")
-            for kind in built:
-                print(f"  {kind}: {ms[kind]:.2f} ms, {ms[with_points(PYTHON, kind)]:.2f} ms with {PYTHON}: saves "
-                      f"{saved[kind]:.2f} ms; tokens/s vs standard {ratios['cpp'][kind]:.3f}x "
-                      f"({ratios[PYTHON][kind]:.3f}x with {PYTHON})")
-        rounds.append(results)
+    rounds = [{} for _ in range(args.rounds)]
+    for r, size, ms in timed_steps(args, built, with_python_points):
+        ratios = {variant: {kind: ms[with_points(variant, "standard")] / ms[with_points(variant, kind)]
+                            for kind in built} for variant in ("cpp", PYTHON)}
+        saved = {kind: ms[with_points(PYTHON, kind)] - ms[kind] for kind in built}
+        rounds[r][size] = {"ms": ms, "saved_ms": saved, "tokens_per_s_vs_standard": ratios}
+        print(f"round {r + 1}, {size} tokens:")
+        for kind in built:
+            print(f"  {kind}: {ms[kind]:.2f} ms, {ms[with_points(PYTHON, kind)]:.2f} ms with {PYTHON}: saves "
+                  f"{saved[kind]:.2f} ms; tokens/s vs standard {ratios['cpp'][kind]:.3f}x "
+                  f"({ratios[PYTHON][kind]:.3f}x with {PYTHON})")
     if args.out is not None:
         write_record("benchmarks.cpp_points", args, argv, {"threads": torch.get_num_threads()}, rounds=rounds)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,14 +26,31 @@ from attnres.models.wiring import FULL_CHAIN_ENV
 from benchmarks.gloo_ranks import write_record
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None, description: str = __doc__) -> argparse.Namespace:
+    """The options of this benchmark and of those that time the small model's steps the same way (`timed_steps`)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=20, help="timed steps per model and size (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=1, help="times the whole measurement runs (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own count)")
     p.add_argument("--out", type=Path, default=None, help="JSON record to write (default: print only)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    return args
+
+
+def timed_steps(args: argparse.Namespace, built: dict, variants: Callable[[dict], dict]):
+    """Yield (round, size, ms) for each of `args.rounds` rounds and each size (the benchmark's 16 x 128 tokens, then
+    4 tokens, where data costs nothing and only the per-step overhead shows): the median ms of the training step of
+    each model in `built` and of each step `variants(steps)` adds (a model's step run another way), round-robin."""
+    for r in range(args.rounds):
+        for batch, tokens in ((16, 128), (1, 4)):
+            ids = torch.randint(0, 256, (batch, tokens), generator=torch.Generator().manual_seed(0))
+            steps = {kind: models.training_step(model, ids) for kind, model in built.items()}
+            steps |= variants(steps)
+            seconds = median_times(steps, args.repeats, args.warmup)
+            yield r, f"{batch}x{tokens}", {kind: 1e3 * s for kind, s in seconds.items()}
 
 
 def unchained(step):
@@ -50,25 +68,15 @@ def unchained(step):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     if FULL_CHAIN_ENV in os.environ:
         raise SystemExit(f"{FULL_CHAIN_ENV} is set: this benchmark sets it itself, per step")
     built = models.build_small_models(kinds=("standard", "full"))
-    rounds = []
-    for r in range(args.rounds):
-        results = {}
-        for batch, tokens in ((16, 128), (1, 4)):
-            ids = torch.randint(0, 256, (batch, tokens), generator=torch.Generator().manual_seed(0))
-            steps = {kind: models.training_step(model, ids) for kind, model in built.items()}
-            steps["full unchained"] = unchained(steps["full"])
-            seconds = median_times(steps, args.repeats, args.warmup)
-            ratios = {kind: seconds["standard"] / s for kind, s in seconds.items()}
-            results[f"{batch}x{tokens}"] = {"ms": {k: 1e3 * s for k, s in seconds.items()},
-                                            "tokens_per_s_vs_standard": ratios}
-            print(f"round {r + 1}, {batch} x {tokens} tokens: " + ", ".join(
-                f"{k} {1e3 * s:.2f} ms ({ratios[k]:.3f}x tokens/s)" for k, s in seconds.items()))
-        rounds.append(results)
+    rounds = [{} for _ in range(args.rounds)]
+    for r, size, ms in timed_steps(args, built, lambda steps: {"full unchained": unchained(steps["full"])}):
+        ratios = {kind: ms["standard"] / m for kind, m in ms.items()}
+        rounds[r][size] = {"ms": ms, "tokens_per_s_vs_standard": ratios}
+        print(f"round {r + 1}, {size} tokens: " + ", ".join(
+            f"{k} {m:.2f} ms ({ratios[k]:.3f}x tokens/s)" for k, m in ms.items()))
     if args.out is not None:
         write_record("benchmarks.full_chain", args, argv, {"threads": torch.get_num_threads()}, rounds=rounds)
 

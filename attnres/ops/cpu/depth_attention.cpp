@@ -1338,23 +1338,36 @@ variable_list once_differentiable(const variable_list& grad_outputs, F&& gradien
       .apply(std::move(grads));
 }
 
-// Saved for the backward: c, the parameters (undefined where absent), weights, rstd, then the sources.
+// [R, ...]: the shape of R rows shaped like x (a chain's carrier and its gradient sums).
+std::vector<int64_t> rows_shape(int64_t n_rows, const at::Tensor& x) {
+  std::vector<int64_t> sizes{n_rows};
+  sizes.insert(sizes.end(), x.sizes().begin(), x.sizes().end());
+  return sizes;
+}
+
+// What a point's backward needs: c, the parameters (saved undefined where absent), weights, rstd, the sources, and
+// the output norm's epsilon.
 struct SavedPoint {
   at::Tensor c, query;
   std::optional<at::Tensor> gain, out_norm_weight;
   at::Tensor weights, rstd;
   std::vector<at::Tensor> sources;
+  double out_eps;
 
-  static void save(AutogradContext* ctx, const std::vector<at::Tensor>& head, at::TensorList sources) {
-    variable_list saved(head);
+  static void save(AutogradContext* ctx, at::TensorList sources, const at::Tensor& query,
+                   const std::optional<at::Tensor>& gain, const std::optional<at::Tensor>& out_norm_weight,
+                   const at::Tensor& c, const at::Tensor& weights, const at::Tensor& rstd, double out_eps) {
+    variable_list saved{c, query, gain.value_or(at::Tensor()), out_norm_weight.value_or(at::Tensor()), weights, rstd};
     saved.insert(saved.end(), sources.begin(), sources.end());
     ctx->save_for_backward(std::move(saved));
+    ctx->saved_data["out_eps"] = out_eps;
   }
   explicit SavedPoint(AutogradContext* ctx) {
     auto saved = ctx->get_saved_variables();
     c = saved[0], query = saved[1], gain = present(saved[2]), out_norm_weight = present(saved[3]);
     weights = saved[4], rstd = saved[5];
     sources.assign(saved.begin() + 6, saved.end());
+    out_eps = ctx->saved_data["out_eps"].toDouble();
   }
 };
 
@@ -1364,9 +1377,7 @@ struct Point : torch::autograd::Function<Point> {
                                const std::optional<at::Tensor>& gain,
                                const std::optional<at::Tensor>& out_norm_weight, double eps, double out_eps) {
     auto [out, weights, rstd, c] = point_fwd(sources, query, gain, out_norm_weight, eps, out_eps);
-    SavedPoint::save(ctx, {c, query, gain.value_or(at::Tensor()), out_norm_weight.value_or(at::Tensor()), weights,
-                           rstd}, sources);
-    ctx->saved_data["out_eps"] = out_eps;
+    SavedPoint::save(ctx, sources, query, gain, out_norm_weight, c, weights, rstd, out_eps);
     ctx->mark_non_differentiable({rstd});
     ctx->set_materialize_grads(false);
     return {out, weights, rstd};
@@ -1380,7 +1391,7 @@ struct Point : torch::autograd::Function<Point> {
     SavedPoint s(ctx);
     auto [dx, d_query, d_gain, d_norm] =
         point_bwd(grad_or_zeros(grads[0], s.sources[0]), present(grads[1]), s.sources, s.c, s.query, s.gain,
-                  s.out_norm_weight, s.weights, s.rstd, ctx->saved_data["out_eps"].toDouble());
+                  s.out_norm_weight, s.weights, s.rstd, s.out_eps);
     variable_list out(dx.begin(), dx.end());  // one per argument of forward: sources, parameters, the epsilons
     out.insert(out.end(), {d_query, d_gain.value_or(at::Tensor()), d_norm.value_or(at::Tensor()), {}, {}});
     return out;
@@ -1397,14 +1408,11 @@ struct ChainedPoint : torch::autograd::Function<ChainedPoint> {
     std::vector<at::Tensor> sources(older);
     sources.insert(sources.end(), tracked.begin(), tracked.end());
     auto [out, weights, rstd, c] = point_fwd(sources, query, gain, out_norm_weight, eps, out_eps);
-    SavedPoint::save(ctx, {c, query, gain.value_or(at::Tensor()), out_norm_weight.value_or(at::Tensor()), weights,
-                           rstd}, sources);
-    ctx->saved_data["out_eps"] = out_eps;
+    SavedPoint::save(ctx, sources, query, gain, out_norm_weight, c, weights, rstd, out_eps);
     ctx->saved_data["continues"] = carrier.has_value();
     ctx->set_materialize_grads(false);  // an unused carrier ends the chain: no zero buffer for it
-    std::vector<int64_t> sizes{int64_t(sources.size())};
-    sizes.insert(sizes.end(), sources[0].sizes().begin(), sources[0].sizes().end());
     // the carrier's value is nothing: one element, zero strides
+    const auto sizes = rows_shape(int64_t(sources.size()), sources[0]);
     return {out, at::empty_strided(sizes, std::vector<int64_t>(sizes.size(), 0), sources[0].options())};
   }
 
@@ -1416,18 +1424,13 @@ struct ChainedPoint : torch::autograd::Function<ChainedPoint> {
     SavedPoint s(ctx);
     const auto& x = s.sources[0];
     const bool accumulate = grads[1].defined(), continues = ctx->saved_data["continues"].toBool();
-    at::Tensor into;
-    if (accumulate) {  // the later points' sums, added onto in place; anything but our own buffer is copied first
-      into = grads[1].contiguous();
-    } else {
-      std::vector<int64_t> sizes{int64_t(s.sources.size())};
-      sizes.insert(sizes.end(), x.sizes().begin(), x.sizes().end());
-      into = at::empty(sizes, x.options());
-    }
+    // the later points' sums, added onto in place (anything but our own buffer is copied first), or new rows
+    const at::Tensor into = accumulate ? grads[1].contiguous()
+                                       : at::empty(rows_shape(int64_t(s.sources.size()), x), x.options());
     // no grad_out where only the carrier is used further on: nothing of this point's own to add (zeros)
     auto [d_query, d_gain, d_norm] =
         point_bwd_into(grad_or_zeros(grads[0], x), std::nullopt, s.sources, s.c, s.query, s.gain, s.out_norm_weight,
-                       s.weights, s.rstd, ctx->saved_data["out_eps"].toDouble(), into, accumulate);
+                       s.weights, s.rstd, s.out_eps, into, accumulate);
     // the newest source is complete; the older ones go on summing in the previous point
     const int64_t n = into.size(0);
     variable_list out;
