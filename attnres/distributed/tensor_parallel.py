@@ -323,10 +323,7 @@ def _body_plan(config, name: str, body: nn.Module, entries: dict[str, str], worl
                 f"tensor parallel runs MoE sublayers whose only sharded parts are transformers' expert-parallel "
                 f"styles (grouped_gemm gate_up_proj and down_proj, ep_dispatch_experts)"
             )
-        experts = body.get_submodule(_EXPERTS).num_experts
-        if experts % world_size:
-            raise ValueError(f"mesh: the {family!r} sublayer {name!r} has {experts} experts, which do not split over "
-                             f"{world_size} tensor-parallel ranks")
+        _check_split(family, f"sublayer {name!r}", body.get_submodule(_EXPERTS).num_experts, world_size, "experts")
         return plan
     wrong = {path: style for path, style in plan.items() if "." in path or style not in _DENSE_STYLES}
     if wrong:
@@ -356,9 +353,9 @@ def _has(body: nn.Module, path: str) -> bool:
     return isinstance(getattr(module, leaf, None), (nn.Module, nn.Parameter))
 
 
-def _check_split(family: str, name: str, size: int, world_size: int) -> None:
+def _check_split(family: str, name: str, size: int, world_size: int, parts: str = "columns") -> None:
     if size % world_size:
-        raise ValueError(f"mesh: the {family!r} {name} has {size} columns, which do not split over {world_size} "
+        raise ValueError(f"mesh: the {family!r} {name} has {size} {parts}, which do not split over {world_size} "
                          f"tensor-parallel ranks")
 
 
