@@ -8,7 +8,7 @@ import os
 import sys
 
 # each module defines `register(subparsers)`, adding its subcommand with a `func(args) -> int` default
-COMMANDS = ("compare", "train", "generate", "convert", "estimate", "demo", "bench")
+COMMANDS = ("compare", "train", "generate", "fetch", "convert", "estimate", "demo", "bench")
 DEBUG_ENV = "ATTNRES_DEBUG"  # set (or pass --debug) to see the traceback of an expected mistake
 DEBUG_HELP = f"show the traceback of an error instead of its one-line message (or set {DEBUG_ENV}=1)"
 

@@ -22,10 +22,12 @@ def register(sub) -> None:
         "the AttnRes parameters at zero queries and unit gains with attn_res_rescale_mixture on, so its logits equal "
         "the original's to fp32 rounding, and writes it (with SRC's tokenizer, if any) to the new folder DST in one "
         "atomic rename. A family whose decoder layer is not PreNorm (post-norm, parallel attention and MLP) is "
-        "refused with the reason. Example: attnres convert meta-llama/Llama-3.2-1B out/ --residual block "
-        "--block-size 4 --allow-download",
+        "refused with the reason. Examples: attnres convert meta-llama/Llama-3.2-1B out/ --residual block "
+        "--block-size 4 --allow-download; attnres convert SmolLM2-135M-Instruct.Q4_1.gguf out/ --residual full",
     )
-    p.add_argument("src", metavar="SRC", help="a transformers model folder (or a Hub name, with --allow-download)")
+    p.add_argument("src", metavar="SRC",
+                   help="a transformers model folder, a GGUF file (model.gguf: dequantized, its tokenizer and chat "
+                   "template rebuilt from it), or a Hub name with --allow-download")
     p.add_argument("dst", metavar="DST", help="the folder to create for the AttnRes model (must not exist)")
     p.add_argument("--residual", choices=RESIDUAL_KINDS, default=BLOCK, help="(default: %(default)s)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
@@ -41,17 +43,22 @@ def run(args) -> int:
     from transformers import AutoModelForCausalLM
 
     from attnres.models import convert_from_hf
+    from attnres.models.gguf import is_gguf, load_gguf
 
     dst = Path(args.dst)
     if dst.exists():
         raise ValueError(f"dst: {dst} already exists; choose a new folder")
-    local_only = not args.allow_download
-    if local_only and not Path(args.src).exists() and not _in_hub_cache(args.src):
-        raise FileNotFoundError(f"src: no folder {args.src}; to fetch a Hugging Face Hub name, pass --allow-download")
-    source = AutoModelForCausalLM.from_pretrained(args.src, local_files_only=local_only, trust_remote_code=False, dtype="auto")
+    if is_gguf(args.src):
+        source, tokenizer = load_gguf(args.src)
+    else:
+        local_only = not args.allow_download
+        if local_only and not Path(args.src).exists() and not _in_hub_cache(args.src):
+            raise FileNotFoundError(f"src: no folder {args.src}; to fetch a Hugging Face Hub name, pass --allow-download")
+        source = AutoModelForCausalLM.from_pretrained(args.src, local_files_only=local_only, trust_remote_code=False,
+                                                      dtype="auto")
+        tokenizer = _source_tokenizer(args.src, local_only)
     overrides = {"attn_res_rescale_mixture": False} if args.no_rescale else {}
     model = convert_from_hf(source, residual=args.residual, attn_res_block_size=args.block_size, **overrides)
-    tokenizer = _source_tokenizer(args.src, local_only)
     tmp = dst.with_name(f".tmp-{dst.name}.{os.getpid()}")
     try:
         model.save_pretrained(tmp)
