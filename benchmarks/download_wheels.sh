@@ -9,8 +9,8 @@
 # (CUDA 13.0), triton 3.6.0 and transformers 5.17.0; attnres imports and trains on 5.17, but 5.17 still names the KV
 # cache `past_key_values` where attnres passes and reads `cache`, so its decode needs the newer one. torch and triton
 # are never downloaded here. gpu_check.sh installs a wheel when its package is missing there or at another version,
-# and falls back to the machine's own packages when the result does not import. The folder is about 20 MiB: the
-# device tool carries it (carry: ["wheels"], benchmarks/README.md).
+# and falls back to the machine's own packages when the result does not import. The folder is about 20 MiB and is
+# sent to the GPU machine with the repository (benchmarks/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -6,22 +6,23 @@
 # graph), the Triton kernel tests on the GPU, model-level time ratios and peak memory; last, where the `vllm` package
 # is installed, benchmarks/bench_vllm.py (output tokens/s under vLLM, original vs Block and Full; elsewhere a "not run"
 # record). Every stage runs in its own process with its own time limit, so one that fails or hangs loses only itself;
-# the whole run fits one 600 s call.
+# the whole run fits one command of 600 s.
 #
-#   benchmarks/gpu_check.sh            # from anywhere; results in $OUT when set (the device tool's folder), else runs/
+#   benchmarks/gpu_check.sh            # from anywhere; results in $OUT when set, else runs/
 #   benchmarks/gpu_check.sh --smoke    # the same stages on CPU, tiny sizes, Triton interpreted (CI runs this)
 #   GPU_CHECK_INSTALL=1 PYTHON=venv/bin/python benchmarks/gpu_check.sh --smoke   # a dry run: installs from wheels/ too
 #
-# Written as they come (a run cut short keeps them), three files at most besides a stage under way (the device tool
-# brings back eight): gpu_check.json (the report, rewritten after every stage; the vLLM stage's record is its "vllm"
-# entry), gpu_check.log (this script's output) and gpu_check.stages/ (the JSON of the stage under way, rewritten at
-# every result and removed once the report holds it, and op_tests.log). Exit status: 0 when every stage ran (the vLLM
-# stage may be "not run") and every parity check passed, 1 otherwise. At most 590 s in all: the budget (540 s, less
-# what installing took), then at most 25 s past it if gpu_model_check.py overruns and 25 s for the vLLM stage.
+# Written as they come (a run cut short keeps them), three files at most besides a stage under way (a machine reached
+# by one command returns at most eight): gpu_check.json (the report, rewritten after every stage; the vLLM stage's
+# record is its "vllm" entry), gpu_check.log (this script's output) and gpu_check.stages/ (the JSON of the stage under
+# way, rewritten at every result and removed once the report holds it, and op_tests.log). Exit status: 0 when every
+# stage ran (the vLLM stage may be "not run") and every parity check passed, 1 otherwise. At most 590 s in all: the
+# budget (540 s, less what installing took), then at most 25 s past it if gpu_model_check.py overruns and 25 s for the
+# vLLM stage.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
-budget=${GPU_CHECK_SECONDS:-540}  # for everything: one device call is limited to 600 s
+budget=${GPU_CHECK_SECONDS:-540}  # for everything: one command on the GPU machine is limited to 600 s
 out_dir=${OUT:-runs}
 json=${GPU_CHECK_JSON:-$out_dir/gpu_check.json}
 PYTHON=${PYTHON:-python3}

@@ -736,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         report["stages"][stage] = result
         report["checks"], report["targets"] = checks(report["stages"]), targets(report["stages"])
         atomic_write_text(args.json, json.dumps(report, indent=1, default=str))
-        # now in the report: the device tool brings back at most 8 files, so only a stage under way keeps its own
+        # now in the report: the GPU machine returns at most 8 files, so only a stage under way keeps its own
         (workdir / f"{stage}.json").unlink(missing_ok=True)
         if stage == "env" and result["status"] != "ok":
             print("the environment stage failed: no further stage can run")

@@ -41,8 +41,8 @@ def report(smoke_out) -> dict:
     return json.loads(smoke_out.read_text())
 
 
-def test_what_is_left_comes_back_from_the_device_tool(smoke_out, report):
-    """The device tool brings back at most 8 files: each stage's own JSON goes once the report holds it."""
+def test_only_the_report_and_the_log_are_left(smoke_out, report):
+    """The GPU machine returns at most 8 files: each stage's own JSON goes once the report holds it."""
     files = sorted(str(f.relative_to(smoke_out.parent)) for f in smoke_out.parent.rglob("*") if f.is_file())
     assert files == ["gpu_check.json", "gpu_check.log"], files
     assert report["vllm"]["status"] == "not run"
