@@ -35,8 +35,8 @@ standard and Block, 2 seeds, final validation loss in nats/byte:
 
 With 30 or 60 warm-up steps PreNorm stalls on a plateau near 3.0-3.1 nats/byte for 40-60 steps and ends 0.14 to
 0.49 above its best; from 100 steps on it ends within the seed spread (0.048, pooled over 100-200) of its best.
-100 is the shortest such warm-up, and Block is within one seed spread of its own best there too. The old
-default, 30 steps (a tenth of the run), made most of the gap it printed (about -0.3) the baseline's stall.
+100 is the shortest such warm-up, and Block is within one seed spread of its own best there too. At 30 steps
+most of the gap (-0.40) is the baseline's stall.
 The closing line judges each gap by its 95% t interval from the seed spread (attnres.analysis.stats): with two
 seeds a setting the spread itself is uncertain, and the t quantile widens the interval for it.
 """

@@ -64,8 +64,8 @@ def register(sub) -> None:
     m.add_argument("--base-config", nargs="+", default=[], metavar="KEY=VALUE", type=_key_value,
                    help="more fields of the family's config, values in JSON (e.g. num_experts=8 num_experts_per_tok=2)")
     m.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each sublayer's attention and MLP activations in backward: less memory, ~a third "
-                   "more compute")
+                   help="checkpoint each decoder layer: backward recomputes its forward from the residual state it "
+                   "took (less memory, about one more forward of compute)")
 
     o = p.add_argument_group("optimisation")
     o.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"], help="tokens a sequence (default: %(default)s)")

@@ -48,7 +48,7 @@ class TrainConfig:
     kv_heads: int | None = None  # None: as many as `heads`
     ffn: int | None = None  # None: 8/3 * dim rounded up to a multiple of 32 (SwiGLU at the size of a 4*dim MLP)
     tie_embeddings: bool = False
-    activation_checkpointing: bool = False  # recompute each sublayer's internals in backward (less memory)
+    activation_checkpointing: bool = False  # checkpoint whole decoder layers: recomputed in backward (less memory)
     init_from: str | None = None  # a pretrained causal LM folder or Hub name to continue from, converted exactly
     # optimisation
     seq_len: int = 128
