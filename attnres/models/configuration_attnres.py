@@ -32,8 +32,6 @@ LLAMA_DEFAULTS = dict(
 # The AttnRes settings of a model that starts from a PreNorm one (conversion, or `from_pretrained` of a family's
 # folder): with its zero pseudo-queries, the rescaled mixture is the residual sum, so it computes the same function.
 PRENORM_START = {"attn_res_rescale_mixture": True}
-# flat fields of configs written by attnres 0.1 that a Llama config cannot carry (they were Qwen2/Qwen3/Mistral)
-_LEGACY_FIELDS = {"qk_norm": False, "attention_output_bias": None, "sliding_window": None}
 # keys that belong to the composite config itself, never to the family's: its fields, and the settings transformers
 # passes every config as keywords (`from_pretrained(..., attn_implementation="eager")`), which it hands on to the
 # family's config itself
@@ -107,7 +105,7 @@ class AttnResConfig(PreTrainedConfig):
     attn_res_layer_plan: list | None = None
 
     def __post_init__(self, **kwargs):
-        # flat family fields (`hidden_size=...`, or a config.json written by attnres 0.1) build the family's config
+        # flat family fields (`hidden_size=...`) build the family's config
         family = {k: kwargs.pop(k) for k in list(kwargs) if k not in _OWN_KEYS and not k.startswith("_")}
         if isinstance(self.text_config, PreTrainedConfig):
             if family:
@@ -123,8 +121,6 @@ class AttnResConfig(PreTrainedConfig):
                     f"base_model_type: expected a transformers decoder family's model_type such as 'llama', 'qwen3' or "
                     f"'qwen3_moe', got {base!r}"
                 )
-            if base == "llama":
-                _check_legacy(family)
             defaults = LLAMA_DEFAULTS if base == "llama" else {}
             self.text_config = {**defaults, **(self.text_config or {}), **family, "model_type": base}
         try:  # builds the family's config, which validates its own fields; reads nothing through `__getattr__` yet
@@ -213,15 +209,3 @@ _OWN_FIELDS = {f.name for f in fields(AttnResConfig)} | {"model_type"}
 
 def base_name(text_config) -> str:
     return f"text_config ({text_config.get('model_type') if isinstance(text_config, dict) else text_config.model_type})"
-
-
-def _check_legacy(family: dict) -> None:
-    """A flat config of attnres 0.1 loads as a Llama, unless it used a field a Llama cannot carry."""
-    used = {k: family.pop(k) for k in _LEGACY_FIELDS if k in family}
-    harmless = {**_LEGACY_FIELDS, "attention_output_bias": family.get("attention_bias", False)}
-    changed = {k: v for k, v in used.items() if v != harmless[k] and v is not None}
-    if changed:
-        raise ValueError(
-            f"config: fields {changed} come from an attnres 0.1 conversion of a Qwen2/Qwen3/Mistral model; convert "
-            f"the original again (`attnres convert`), which now keeps the family's own config"
-        )
