@@ -30,11 +30,12 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import nn
 
-# a child's output may pass through at most this many modules before it is added to the residual
-PROBE_TOKENS = 3  # several tokens (a tensor unpacked as a tuple fails loudly), few enough for any model
+# the length of a probe forward: several tokens (a tensor unpacked as a tuple fails loudly), few enough for any model
+PROBE_TOKENS = 3
+# an extra keyword argument of the probe forward: whichever child receives it gets the layer's **kwargs
 _EXTRA = "attn_res_probe_extra"
 # plans are read and checked in float64: its round-off of a layer's sums, relative to the largest magnitude they add
-FLOAT64_TOLERANCE = 1e-9  # an extra keyword argument: whichever child receives it gets the layer's **kwargs
+FLOAT64_TOLERANCE = 1e-9
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,3 @@ def _relaid(t, placements):
 
     whole = t.redistribute(placements=[Replicate()] * t.device_mesh.ndim).to_local()
     return distribute_tensor(whole, t.device_mesh, placements, src_data_rank=None)
-
-
-def is_sharded(path: str | os.PathLike) -> bool:
-    return (Path(path) / SHARDED_DIR).is_dir()
