@@ -77,7 +77,7 @@ def _config(args, kind: str, folder: str, dims: dict):
 
 def _construct(rank: int, args, kind: str, folder: str, dims: dict) -> dict:
     """Build, parallelize and make real one model on this process's group (one process when the group has one)."""
-    from attnres.distributed.data_parallel import Ranks
+    from attnres.distributed.ranks import Ranks
     from attnres.distributed.materialize import materialize
     from attnres.distributed.mesh import build_mesh, held_bytes
     from attnres.training.init_from import load_init_from

@@ -107,7 +107,7 @@ def _local_params(model):
 
 def _measure(args, dims: dict, layers: int) -> dict:
     """One composition on this process's group (or one process when no group): the measured step's figures."""
-    from attnres.distributed.data_parallel import Ranks
+    from attnres.distributed.ranks import Ranks
     from attnres.distributed.mesh import build_mesh, memory_line
     from attnres.training import TrainConfig
     from attnres.training.loop import build_model

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from attnres.distributed.data_parallel import PARALLEL
+from attnres.distributed.mesh import PARALLEL
 from attnres.distributed.pipeline import SCHEDULES as PP_SCHEDULES
 from attnres.layers.kinds import RESIDUAL_KINDS
 from attnres.training.config import AUTOCAST, DEVICES, TrainConfig

@@ -15,6 +15,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
+# `--parallel`: none, or a shorthand for one dimension over every rank (ddp: dp_replicate, fsdp: dp_shard, pipeline:
+# pp, tp: tp)
+PARALLEL = ("none", "ddp", "fsdp", "pipeline", "tp")
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from attnres.distributed.data_parallel import (
+from attnres.distributed.ranks import (
     RankFailed, collective, collective_device, is_collective_error, lost_rank_message,
 )
 from attnres.layers.kinds import BLOCK, FULL, STANDARD

@@ -60,7 +60,7 @@ def save_sharded_checkpoint(folder: str | os.PathLike, step: int, model: nn.Modu
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    from attnres.distributed.data_parallel import barrier, collective
+    from attnres.distributed.ranks import barrier, collective
 
     folder = Path(folder)
     final = folder / checkpoint_name(step)

@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attnres.distributed.data_parallel import DEFAULT_TIMEOUT_S, PARALLEL
+from attnres.distributed.mesh import PARALLEL
+from attnres.distributed.ranks import DEFAULT_TIMEOUT_S
 from attnres.distributed.mesh import ParallelDims
 from attnres.distributed.pipeline import SCHEDULES as PP_SCHEDULES
 from attnres.layers.kinds import DEFAULT_BLOCK_SIZE, RESIDUAL_KINDS, STANDARD

@@ -23,9 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from attnres.distributed.data_parallel import (
-    RankFailed, barrier, end_ranks, gather_on_main, init_ranks, local_device, lost_rank_message,
-    on_main,
+from attnres.distributed.ranks import (
+    RankFailed, barrier, end_ranks, gather_on_main, init_ranks, local_device, lost_rank_message, on_main,
 )
 from attnres.distributed.materialize import materialize
 from attnres.distributed.mesh import build_mesh, memory_line

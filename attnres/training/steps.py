@@ -18,11 +18,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from attnres.distributed.data_parallel import (
-    RankFailed, Ranks, apply_ddp, apply_fsdp, collective, full_weights, gather_on_main, is_collective_error,
-    load_optimizer_state, local_rows, lost_rank_message, mean_over_ranks, optimizer_state,
+    apply_ddp, apply_fsdp, full_weights, load_optimizer_state, local_rows, optimizer_state,
 )
 from attnres.distributed.mesh import ParallelDims, dp_mesh, dp_rank
 from attnres.distributed.pipeline import PipelineTrainer, check_pipeline
+from attnres.distributed.ranks import (
+    RankFailed, Ranks, collective, gather_on_main, is_collective_error, lost_rank_message, mean_over_ranks,
+)
 from attnres.distributed.tensor_parallel import parallelize_tensor
 from attnres.training.config import TrainConfig
 

@@ -1,5 +1,5 @@
 """Every collective of the package hands torch.distributed its tensors on the device the process group's backend
-takes (`collective_device`): NCCL rejects CPU tensors, so a hard-coded CPU tensor breaks the first GPU run.
+takes (`collective_device`): NCCL rejects CPU tensors, so a hard-coded CPU tensor breaks training on GPUs.
 
 On 2 gloo ranks the group is made to report a backend whose device is "meta" (the fake expected device), and the
 collectives are replaced by a check: each call stops with `Handed` when every tensor is on that device, with
@@ -56,8 +56,8 @@ def _outcome(fn) -> str:
 
 def every_collective(rank: int, names: tuple[str, ...]) -> dict[str, str]:
     """Each collective-using call of the package, under the fake backend: what the check said."""
-    from attnres.distributed.data_parallel import Ranks, mean_over_ranks, on_main
     from attnres.distributed.pipeline import PipelineTrainer
+    from attnres.distributed.ranks import Ranks, mean_over_ranks, on_main
     from tests.distributed.test_pipeline import CASES, build_model, make_batch
 
     case = next(c for c in CASES if c.ranks == 2 and c.schedule == "1f1b")
@@ -101,7 +101,7 @@ def test_every_collective_takes_its_tensors_on_the_backends_device():
 
 
 def test_the_collective_device_follows_the_backend(monkeypatch):
-    from attnres.distributed.data_parallel import collective_device
+    from attnres.distributed.ranks import collective_device
 
     for backend, want in [("gloo", "cpu"), ("nccl", "cuda"), ("xccl", "xpu")]:
         monkeypatch.setattr(dist, "get_backend", lambda group=None, backend=backend: backend)
