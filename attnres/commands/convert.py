@@ -4,11 +4,10 @@ docs/design.md section 2), ready to fine-tune."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 from attnres.layers.kinds import BLOCK, DEFAULT_BLOCK_SIZE, RESIDUAL_KINDS
+from attnres.models.gguf import is_gguf
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -42,14 +41,15 @@ def register(sub) -> None:
 def run(args) -> int:
     from transformers import AutoModelForCausalLM
 
+    from attnres.atomic import atomic_write_dir
     from attnres.models import convert_from_hf
-    from attnres.models.gguf import is_gguf, load_gguf
 
     dst = Path(args.dst)
     if dst.exists():
         raise ValueError(f"dst: {dst} already exists; choose a new folder")
+    overrides = {"attn_res_rescale_mixture": False} if args.no_rescale else {}
     if is_gguf(args.src):
-        source, tokenizer = load_gguf(args.src)
+        source, tokenizer = _load_gguf(args.src, args.residual, args.block_size, overrides)
     else:
         local_only = not args.allow_download
         if local_only and not Path(args.src).exists() and not _in_hub_cache(args.src):
@@ -57,16 +57,14 @@ def run(args) -> int:
         source = AutoModelForCausalLM.from_pretrained(args.src, local_files_only=local_only, trust_remote_code=False,
                                                       dtype="auto")
         tokenizer = _source_tokenizer(args.src, local_only)
-    overrides = {"attn_res_rescale_mixture": False} if args.no_rescale else {}
     model = convert_from_hf(source, residual=args.residual, attn_res_block_size=args.block_size, **overrides)
-    tmp = dst.with_name(f".tmp-{dst.name}.{os.getpid()}")
-    try:
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        os.replace(tmp, dst)  # readers see no folder or the complete one
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    atomic_write_dir(dst, write)  # readers see no folder or the complete one
     config = model.config
     layout = f", {config.attn_res_block_size} decoder layers a block" if config.residual == BLOCK else ""
     print(
@@ -74,6 +72,26 @@ def run(args) -> int:
         f"-> {dst}{'' if tokenizer is None else ' (with its tokenizer)'}"
     )
     return 0
+
+
+def _load_gguf(src: str, residual: str, block_size: int, overrides: dict):
+    """The GGUF file's model and tokenizer, after the checks that need no weight: the file's layout, its architecture,
+    its family's decoder layer (a family AttnRes cannot rewire is refused before anything is dequantized) and its
+    tokenizer."""
+    import torch
+
+    from attnres.models import AttnResForCausalLM
+    from attnres.models.convert import attnres_config_from_hf
+    from attnres.models.gguf import gguf_config, load_gguf
+
+    try:
+        config = gguf_config(src)
+        with torch.device("meta"):
+            twin = AttnResForCausalLM(attnres_config_from_hf(config, residual, block_size, **overrides))
+        twin.plan_layers()  # read from a small real twin of the family: refuses what is not PreNorm, with the reason
+        return load_gguf(src, config=config)
+    except ImportError as e:  # the optional packages that read GGUF files: one line naming the install command
+        raise OSError(str(e)) from e
 
 
 def _source_tokenizer(src: str, local_only: bool):
