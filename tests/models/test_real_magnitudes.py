@@ -48,6 +48,16 @@ def logits(model, ids=IDS) -> torch.Tensor:
         return model(ids).logits.double()
 
 
+def assert_as_close_as_the_original(ours: torch.Tensor, theirs: torch.Tensor, want: torch.Tensor, dtype) -> None:
+    """The converted model's logits `ours` are as close to the float64 oracle's `want` as the original's `theirs` at
+    the same `dtype`: the conversion adds no error of its own beyond the original's rounding."""
+    their_error = (theirs - want).abs().max().item()
+    our_error = (ours - want).abs().max().item()
+    if dtype == torch.bfloat16:
+        # the conversion's own rounding is the original's: within 1.5x its bf16 error against float64
+        assert our_error <= 1.5 * their_error, (our_error, their_error)
+    else:
+        assert our_error <= 2 * their_error + 1e-6 * want.abs().max().item(), (our_error, their_error)
 
 
 MAGNITUDE_IDS = [f"{d}-{m:g}".replace("torch.", "") for d, m in MAGNITUDES]
@@ -63,13 +73,7 @@ def test_massive_activations_convert_exactly_and_load_without_a_probe(family, dt
     original = AutoModelForCausalLM.from_pretrained(tmp_path / "original", dtype=dtype).eval()  # as checkpoints load
     converted = convert_from_hf(original, residual, attn_res_block_size=2)
     want, theirs, ours = logits(oracle), logits(original), logits(converted)
-    their_error = (theirs - want).abs().max().item()
-    our_error = (ours - want).abs().max().item()
-    if dtype == torch.bfloat16:
-        # the conversion's own rounding is the original's: within 1.5x its bf16 error against float64
-        assert our_error <= 1.5 * their_error, (our_error, their_error)
-    else:
-        assert our_error <= 2 * their_error + 1e-6 * want.abs().max().item(), (our_error, their_error)
+    assert_as_close_as_the_original(ours, theirs, want, dtype)
     assert converted.config.attn_res_layer_plan is not None
 
     converted.save_pretrained(tmp_path / "converted")
