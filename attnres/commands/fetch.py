@@ -25,6 +25,9 @@ def run(args) -> int:
     from attnres.models.fetch import fetch, fetch_gguf
 
     gguf = fetch_gguf(args.model, args.cache)
-    folder = fetch(args.model, args.cache)
+    try:
+        folder = fetch(args.model, args.cache)
+    except ImportError as e:  # the optional packages that read GGUF files: one line naming the install command
+        raise OSError(str(e)) from e
     print(f"gguf file: {gguf}\nfolder:    {folder}")
     return 0

@@ -8,9 +8,10 @@ family, which saves, converts and trains like any other.
 Before transformers sees the file, `read_gguf_header` walks its header and tensor table and checks that every tensor
 lies inside the file, so a truncated or corrupt file gets one clear error instead of a stack trace from deep inside a
 reader. Then, in this order and before any weight is read: an architecture transformers cannot read, and a tokenizer
-it cannot rebuild from the file, are refused with a ValueError naming the file. transformers reads only the file: it
-is shown to transformers alone in a folder of its own, so files beside it (another model's `tokenizer_config.json`)
-change nothing.
+it cannot rebuild from the file, are refused with a ValueError naming the file; then a weight of the family's model
+that the file lacks (or holds in another shape), which transformers would leave at a random init. transformers reads
+only the file: it is shown to transformers alone in a folder of its own, so files beside it (another model's
+`tokenizer_config.json`) change nothing.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progr
     config if already read (`gguf_config`), so that it is not parsed again.
 
     Raises a ValueError naming the problem for a file that is not a complete GGUF model, an architecture transformers
-    does not read, a tokenizer it cannot rebuild (all three before any tensor is read), and a file that lacks weights
-    of its family's model (transformers would leave them at a random init)."""
+    does not read, a tokenizer it cannot rebuild (all three before any tensor is read), and a file missing a weight of
+    its family's model or holding one of another shape (transformers would leave it at a random init)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
@@ -116,23 +117,27 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progr
                 f"{type(e).__name__}: {e}); a model without its tokenizer is not loaded"
             ) from None
         shown, verbosity = logging.is_progress_bar_enabled(), logging.get_verbosity()
+        logging.set_verbosity_error()  # its loading report: what matters in it is refused below, in one line
         if not progress:
-            logging.set_verbosity_error()
             logging.disable_progress_bar()
         try:
             quantized, report = AutoModelForCausalLM.from_pretrained(
-                folder, gguf_file=name, config=config, dtype=dtype, output_loading_info=True
+                folder, gguf_file=name, config=config, dtype=dtype, output_loading_info=True,
+                ignore_mismatched_sizes=True,  # reported, then refused below with the others
             )
-        except ValueError as e:  # a family transformers reads but not as a causal LM (T5, BERT-like encoders)
+        except (ValueError, RuntimeError) as e:  # not a causal LM (T5, encoders), a weight that does not convert
             raise ValueError(f"gguf: transformers cannot load {path.name} as a causal LM: {e}") from None
         finally:
             logging.set_verbosity(verbosity)
             (logging.enable_progress_bar if shown else logging.disable_progress_bar)()
-    absent = sorted(report["missing_keys"]) + sorted(report["mismatched_keys"])
-    if absent:  # transformers would leave them at a random init: a model that loads but is not the file's
+    wrong = [f"{key} is missing" for key in sorted(report["missing_keys"])] + [
+        f"{key} has shape {tuple(theirs)} in the file, {tuple(ours)} in the model"
+        for key, theirs, ours in sorted(report["mismatched_keys"])
+    ]
+    if wrong:  # transformers would leave them at a random init: a model that runs but is not the file's
         raise ValueError(
-            f"gguf: {path.name} does not hold every weight of its {config.model_type} model (missing or of another "
-            f"shape: {', '.join(map(str, absent[:8]))}{', ...' if len(absent) > 8 else ''})"
+            f"gguf: {path.name} does not hold the weights of its {config.model_type} model: "
+            f"{'; '.join(wrong[:4])}{f' (and {len(wrong) - 4} more)' if len(wrong) > 4 else ''}"
         )
     return _plain_copy(quantized), tokenizer
 
