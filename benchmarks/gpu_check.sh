@@ -3,7 +3,8 @@
 # benchmarks/download_wheels.sh on a machine with network, carried along) each package that is missing or at another
 # version, then runs benchmarks/gpu_model_check.py: the operator's HBM fraction beside fla's fused_attnres first, then
 # model-level parity of the kernels against the torch path, prefill and greedy decode (eager, torch.compile, CUDA
-# graph), the Triton kernel tests on the GPU, model-level time ratios and peak memory; last, where the `vllm` package
+# graph), the Triton kernel tests on the GPU, model-level time ratios and peak memory; then benchmarks/real_model.py
+# (SmolLM2-135M's shapes, random weights, bf16: the original against Block and Full); last, where the `vllm` package
 # is installed, benchmarks/bench_vllm.py (output tokens/s under vLLM, original vs Block and Full; elsewhere a "not run"
 # record). Every stage runs in its own process with its own time limit, so one that fails or hangs loses only itself;
 # the whole run fits one command of 600 s.
@@ -72,11 +73,48 @@ if "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("
     vllm_seconds=${GPU_CHECK_VLLM_SECONDS:-150}
 fi
 
+# the real model's stage (benchmarks/real_model.py) is kept its seconds too
+real_seconds=${GPU_CHECK_REAL_SECONDS:-90}
+
 step "stages (benchmarks/gpu_model_check.py)"
-left=$((budget - (SECONDS - start) - vllm_seconds))
+left=$((budget - (SECONDS - start) - vllm_seconds - real_seconds))
 # its last stage may run 10 s past the deadline (a hung child is terminated, then killed)
 timeout -k 5 "$((left + 20))" "$PYTHON" benchmarks/gpu_model_check.py "${smoke[@]}" --deadline "$left" --json "$json"
 status=$?
+
+# merges a stage's JSON into the report under its name and removes it (a missing record: its failure)
+merge_stage() {
+"$PYTHON" - "$json" "$1" "$2" "$3" "$4" <<'EOF'
+import json, os, sys
+report_path, name, stage_path, rc, script = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+report = json.load(open(report_path)) if os.path.exists(report_path) else {}
+stage = json.load(open(stage_path)) if rc == 0 and os.path.exists(stage_path) else None
+if stage is None:
+    stage = {"status": "timeout" if rc in (124, 137) else "failed", "why": f"{script} exited {rc} (see the log)"}
+report[name] = stage
+with open(report_path + ".tmp", "w") as f:
+    json.dump(report, f, indent=1)
+os.replace(report_path + ".tmp", report_path)
+if os.path.exists(stage_path):
+    os.remove(stage_path)  # now in the report
+if name == "vllm":
+    print(f"vllm: {stage['status']}: " + stage.get("why", f"ratio to the original {stage.get('ratio_to_original')}"))
+EOF
+}
+
+step "real model (benchmarks/real_model.py: SmolLM2-135M's shapes, original against Block and Full)"
+real_json=${json%.json}.stages/real_model.json
+mkdir -p "$(dirname "$real_json")"
+rm -f "$real_json"
+if ((${#smoke[@]} > 0)); then
+    real_args=(--smoke --device cpu --dtypes fp32 --rounds 1 --warmup 0)
+else
+    real_args=(--random-weights --device cuda --dtypes bf16 --rounds 5)
+fi
+left=$((budget - (SECONDS - start) - vllm_seconds))
+timeout -k 5 "$((left > 20 ? left : 20))" "$PYTHON" benchmarks/real_model.py "${real_args[@]}" --json "$real_json"
+real_rc=$?
+merge_stage real_model "$real_json" "$real_rc" benchmarks/real_model.py
 
 step "vllm (benchmarks/bench_vllm.py)"
 vllm_json=${json%.json}.stages/vllm.json
@@ -91,22 +129,7 @@ left=$((budget - (SECONDS - start)))
 timeout -k 5 "$((left > 20 ? left : 20))" "$PYTHON" benchmarks/bench_vllm.py --if-installed "${vllm_args[@]}" \
     --repeats 1 --runs 2 --out "$vllm_json"
 vllm_rc=$?
-# the stage's record becomes the report's "vllm" entry
-"$PYTHON" - "$json" "$vllm_json" "$vllm_rc" <<'EOF'
-import json, os, sys
-report_path, stage_path, rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
-report = json.load(open(report_path)) if os.path.exists(report_path) else {}
-stage = json.load(open(stage_path)) if rc == 0 and os.path.exists(stage_path) else None
-if stage is None:
-    stage = {"status": "timeout" if rc in (124, 137) else "failed", "why": f"bench_vllm.py exited {rc} (see the log)"}
-report["vllm"] = stage
-with open(report_path + ".tmp", "w") as f:
-    json.dump(report, f, indent=1)
-os.replace(report_path + ".tmp", report_path)
-if os.path.exists(stage_path):
-    os.remove(stage_path)  # now in the report
-print(f"vllm: {stage['status']}: " + stage.get("why", f"ratio to the original {stage.get('ratio_to_original')}"))
-EOF
+merge_stage vllm "$vllm_json" "$vllm_rc" benchmarks/bench_vllm.py
 
-step "done, status $status, vLLM stage exit $vllm_rc"
-exit $((status != 0 || vllm_rc != 0))
+step "done, status $status, real model stage exit $real_rc, vLLM stage exit $vllm_rc"
+exit $((status != 0 || real_rc != 0 || vllm_rc != 0))

@@ -129,15 +129,20 @@ class DepthAttention(nn.Module):
             out_eps=out_norm.eps if out_norm is not None and out_eps is None else out_eps,
         )
 
-    @torch.no_grad()
     def folded_query(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """c = g * w (`[d]`) in `dtype`, from the weights as they are now: computed at every call, never cached.
+        """c = g * w (`[d]`) in `dtype`, from the weights as they are now, without autograd: computed at every call,
+        never cached.
 
         One `[d]` multiply. A cache would have to know when a weight changed, and nothing reliable tells it: fused
         optimizers and `.data` writes change a weight in place without bumping its version counter (docs/design.md
-        section 11).
+        section 11). Inference streams call it at every point of every decode step, without autograd already: no
+        `torch.no_grad` there, whose entry and exit cost as much as the multiply.
         """
-        return fold_query(local_weight(self.proj.weight), local_weight(self.norm.weight), dtype)
+        query, gain = local_weight(self.proj.weight), local_weight(self.norm.weight)
+        if not torch.is_grad_enabled():
+            return fold_query(query, gain, dtype)
+        with torch.no_grad():
+            return fold_query(query, gain, dtype)
 
     def reset_parameters(self) -> None:
         self.proj.reset_parameters()

@@ -12,6 +12,7 @@ import torch
 
 from attnres.layers.bank_stream import BankStream
 from attnres.layers.depth_attention import DepthAttention
+from attnres.layers.full_inference_stream import FullInferenceStream
 from attnres.layers.kinds import BLOCK, RESIDUAL_KINDS, STANDARD
 from attnres.layers.streams import BlockStream, FullStream, ResidualState, ResidualStream, StandardStream
 
@@ -34,7 +35,8 @@ def make_stream(
     `points`: the 2L + 1 aggregation points in schedule order (not needed for "standard"); `block_size` counts
     decoder layers (Kimi K3 `attn_res_block_size`); `record_weights` keeps, for every read, the depth weights
     in `stream.weights` (none for "standard") and the pre-norm mixture the sublayer's norm sees in `stream.mixtures`;
-    `inference` selects, for "block", the fused bank path (no autograd; `attnres.layers.bank_stream`); `chain` makes
+    `inference` selects the streams without autograd: for "block" the fused bank path (`attnres.layers.bank_stream`),
+    for "full" direct kernel calls (`attnres.layers.full_inference_stream`); `chain` makes
     the points of "full" a chain for the backward (`attnres.ops.chain`: the same gradients, summed in place; for eager
     training). A stream made without an embedding waits for `resume` (`resume_stream`).
     """
@@ -61,14 +63,16 @@ def resume_stream(
     return stream
 
 
-def _stream_class(residual: str, block_size: int | None, bank: bool) -> type[ResidualStream]:
+def _stream_class(residual: str, block_size: int | None, inference: bool) -> type[ResidualStream]:
     if residual == BLOCK:
         if block_size is None:
             raise ValueError("block_size: the block residual needs a block size (in decoder layers)")
-        return BankStream if bank else BlockStream
+        return BankStream if inference else BlockStream
     if residual not in RESIDUAL_KINDS:
         raise ValueError(f"residual: expected one of {RESIDUAL_KINDS}, got {residual!r}")
-    return StandardStream if residual == STANDARD else FullStream
+    if residual == STANDARD:
+        return StandardStream
+    return FullInferenceStream if inference else FullStream
 
 
 def _build(cls, embedding, num_layers, points, block_size, rescale_mixture, two_phase, chain) -> ResidualStream:
@@ -76,4 +80,6 @@ def _build(cls, embedding, num_layers, points, block_size, rescale_mixture, two_
         return StandardStream(embedding, num_layers)
     if cls is FullStream:
         return FullStream(embedding, num_layers, points, rescale_mixture, chain)
+    if cls is FullInferenceStream:
+        return FullInferenceStream(embedding, num_layers, points, rescale_mixture)
     return cls(embedding, num_layers, points, block_size, rescale_mixture, two_phase)

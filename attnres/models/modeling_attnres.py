@@ -44,10 +44,12 @@ from attnres.models.family import Sublayer, plan_decoder_layers
 from attnres.models.loading import check_bank_layout, check_loaded_weights, saved_config
 from attnres.models.wiring import (
     ACTIVE_RECORDS,
+    ACTIVE_STREAM,
     OUTPUT_POINT,
     AttnResDecoderLayer,
     FinalRead,
     Records,
+    SharedStream,
     add_points,
     flat_tensor_checkpoint,
 )
@@ -243,11 +245,20 @@ class AttnResPreTrainedModel(PreTrainedModel):
         if records is not None:
             kwargs["attn_res_records"] = records
         token = ACTIVE_RECORDS.set(records)
+        shared = ACTIVE_STREAM.set(self._shared_stream(records))
         try:
             output = forward(**kwargs)
         finally:
+            ACTIVE_STREAM.reset(shared)
             ACTIVE_RECORDS.reset(token)
         return _with_records(output, records, output_cls, self.config.num_hidden_layers)
+
+    def _shared_stream(self, records: Records | None) -> SharedStream | None:
+        """One stream for the whole forward where nothing needs a stream per layer: no autograd (nor a checkpointed
+        replay), nothing recorded, not traced."""
+        if records is not None or self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        return SharedStream(self.config, self.aggregation_points())
 
     def _refuse_row_routing(self, points) -> None:
         """PEFT's mixed-adapter batches (`adapter_names=[...]`) route each row through its adapter by a hook on each

@@ -97,6 +97,38 @@ class Records:
 ACTIVE_RECORDS = CompileableContextVar("attn_res_records")
 
 
+class SharedStream:
+    """The one residual stream of a forward without autograd (eval mode, nothing recorded, not traced), which every
+    decoder layer and the final read continue in turn: the model's forward makes it (`ACTIVE_STREAM`) and layer 0
+    starts it from the embedding. A decode step then pays no stream per layer, and a Block's two-phase scoring spans
+    its whole block. A layer continues it only from the very state it last handed on; any other caller (a pipeline
+    stage, a layer called alone) resumes a stream of its own from the state it is given, with the same numbers."""
+
+    __slots__ = ("config", "points", "stream", "state")
+
+    def __init__(self, config, points: list[NamedPoint] | None):
+        self.config, self.points = config, points
+        self.stream: ResidualStream | None = None
+        self.state: ResidualState | None = None  # what the stream last handed on
+
+    def take(self, layer_idx: int, hidden_states: torch.Tensor | ResidualState) -> ResidualStream | None:
+        """The stream, if `hidden_states` is where it stands (at layer 0: the embedding, which starts it)."""
+        if layer_idx == 0 and isinstance(hidden_states, torch.Tensor):
+            config = self.config
+            options = _stream_options(config, None, inference=True, training=False)
+            self.stream = make_stream(config.residual, hidden_states, config.num_hidden_layers, self.points, **options)
+            return self.stream
+        return self.stream if self.state is not None and hidden_states is self.state else None
+
+    def hand_on(self) -> ResidualState:
+        self.state = self.stream.state()
+        return self.state
+
+
+# the shared stream of the forward running now (set by the model's forward, where it applies)
+ACTIVE_STREAM = CompileableContextVar("attn_res_stream")
+
+
 # "0" runs Full's points one at a time in training too (the chain's gradients are the same; this is for comparison)
 FULL_CHAIN_ENV = "ATTNRES_FULL_CHAIN"
 
@@ -173,7 +205,10 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         if records is not None and records.layer_inputs is not None:
             records.layer_inputs.append((hidden_states, kwargs))
             return hidden_states
-        stream = self._stream(hidden_states, records)
+        shared = ACTIVE_STREAM.get()
+        stream = None if shared is None else shared.take(self.layer_idx, hidden_states)
+        if stream is None:
+            shared, stream = None, self._stream(hidden_states, records)
         for k, side in enumerate(self.sides):
             if k == 0 and records is not None and self.layer_idx in records.reads:
                 mixture = stream.read()  # what this layer reads as its residual: reported, then normed
@@ -184,6 +219,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             stream.write(run_sublayer(self, side, x, kwargs, self.family_args).to(x.dtype))
         if records is not None and records.depth:
             records.keep_depth(stream, 2 * self.layer_idx)
+        if shared is not None:
+            return shared.hand_on()
         return _passed_on_as_views(stream.state(), hidden_states)
 
     def _stream(self, state: torch.Tensor | ResidualState, records: Records | None) -> ResidualStream:
@@ -260,6 +297,9 @@ class FinalRead:
             records.final_normed = output
 
     def read(self, state: ResidualState) -> torch.Tensor:
+        shared = ACTIVE_STREAM.get()
+        if shared is not None and shared.state is not None and state is shared.state:
+            return shared.stream.read()
         config, records = self.config, ACTIVE_RECORDS.get()
         L = config.num_hidden_layers
         points = {2 * L: point for point in self.points}

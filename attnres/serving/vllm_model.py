@@ -9,7 +9,7 @@ names, which that loader then fills like any other parameter.
 Only the forward is ours. vLLM hands the model one flattened batch of tokens (prefill chunks and decode tokens of
 every scheduled sequence together) and the depth aggregation is per token, so one residual stream serves the whole
 batch: Block takes the fused bank path (`attnres.layers.bank_stream`, one `[tokens, NB, d]` bank, no stacked
-sources), Full attends over its sources with one direct kernel call per point (`attnres.serving.full_stream`). Each
+sources), Full attends over its sources with one direct kernel call per point (`attnres.layers.full_inference_stream`). Each
 sublayer runs as the saved layer plan says (PreNorm, body, post-body norms, residual scale;
 `attnres.models.family.Sublayer`), on the vLLM layer's children of the same names.
 """
@@ -19,12 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnres.layers import FULL, STANDARD, make_stream
+from attnres.layers import STANDARD, make_stream
 from attnres.models.family import Sublayer
 from attnres.models.modeling_attnres import key_norm_eps
 from attnres.models.wiring import OUTPUT_POINT, SIDE_NAMES, FusedNorm, add_points
 from attnres.serving.checks import family_architecture
-from attnres.serving.full_stream import FullInferenceStream
 
 # class attributes of a family's vLLM model that its weight loader and LoRA support read from the instance
 _FAMILY_CLASS_ATTRIBUTES = ("hf_to_vllm_mapper", "packed_modules_mapping", "embedding_modules")
@@ -85,8 +84,6 @@ class AttnResForCausalLM(nn.Module):
     def _stream(self, hidden: torch.Tensor):
         """The residual stream of one forward: Block's fused bank path, Full's direct kernel calls."""
         config = self.config
-        if config.residual == FULL:
-            return FullInferenceStream(hidden, config.num_hidden_layers, self.points, config.attn_res_rescale_mixture)
         return make_stream(
             config.residual,
             hidden,

@@ -291,3 +291,13 @@ def test_the_carried_transformers_is_the_one_attnres_requires():
     required = Requirement(re.search(r'"(transformers[<>=~!][^"]*)"', pyproject).group(1))
     assert "transformers" in carried and required.specifier.contains(carried["transformers"])
     assert not required.specifier.contains("5.17.0")
+
+
+def test_the_real_model_stage_reports_both_cases(report):
+    """benchmarks/real_model.py's record (a tiny llama in the dry run): the training step and the decode, each with the
+    original's time and Block's and Full's ratios to it."""
+    stage = report["real_model"]
+    assert [(r["case"], r["dtype"]) for r in stage["results"]] == [("train", "fp32"), ("decode", "fp32")]
+    for row in stage["results"]:
+        assert row["ms"]["original"] > 0
+        assert set(row["ratio"]) == {"block", "full"} and all(r > 0 for r in row["ratio"].values())

@@ -1,5 +1,6 @@
-"""The Full stream vLLM serves (direct kernel calls) reads exactly what `FullStream` reads through the operator, at
-every point, fused PreNorm or not, on the compiled CPU kernel and on the torch path. Runs without vLLM."""
+"""Full's inference stream (direct kernel calls: what transformers' eval forward and vLLM run) reads exactly what
+`FullStream` reads through the operator, at every point, fused PreNorm or not, on the compiled CPU kernel and on the
+torch path."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from attnres.layers import make_stream
 from attnres.layers.depth_attention import DepthAttention, RMSNorm
 from attnres.ops.backends import BACKEND_ENV, last_backend
-from attnres.serving.full_stream import FullInferenceStream
+from attnres.layers.full_inference_stream import FullInferenceStream
 
 LAYERS, D = 3, 64
 

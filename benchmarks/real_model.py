@@ -1,0 +1,212 @@
+"""What AttnRes costs on a real pretrained model: SmolLM2-135M-Instruct (`attnres fetch smollm2-135m`) as transformers
+loads it, against its exact Block and Full conversions (`attnres.convert_from_hf`), in one process.
+
+Two cases, each model in turn in every round (a shared machine's changing load then reaches all three alike), the
+median of the rounds' ratios to the original:
+- train: one optimizer step (forward with loss, backward, torch's fused AdamW) on 2 x 256 tokens of real text;
+- decode: greedy `generate` of 64 new tokens at batch 1 after a 32-token prompt, with the KV cache.
+The paper reports under 4% for training and under 2% for inference (Kimi K3 scale, on GPUs).
+
+    python -m benchmarks.real_model                                # fp32 and bf16 on the CPU -> docs/real_model.json
+    python -m benchmarks.real_model --device cuda --dtypes bf16     # on a GPU
+    python -m benchmarks.real_model --random-weights                # the same shapes, nothing to download
+    python -m benchmarks.real_model --profile train --dtypes fp32   # where the time goes: torch.profiler tables
+
+The cost does not depend on the weights' values: `--random-weights` builds SmolLM2-135M's architecture from its
+config (below) with a random init, for a machine without network (the GPU check's stage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from attnres.atomic import atomic_write_text
+from attnres.bench.timing import round_times
+from attnres.layers.kinds import BLOCK, FULL
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# SmolLM2-135M-Instruct's llama config (its config.json, as `attnres fetch smollm2-135m` writes it)
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, rope_theta=100000.0,
+                    max_position_embeddings=8192, tie_word_embeddings=True)
+# a few-second stand-in of the same family, for dry runs on a CPU
+SMOKE = dict(SMOLLM2_135M, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2)
+ORIGINAL = "original"
+CASES = ("train", "decode")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--folder", default=None, help="a transformers folder (default: `attnres fetch smollm2-135m`'s)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="SmolLM2-135M's architecture with random weights instead of a folder (nothing to download)")
+    p.add_argument("--smoke", action="store_true", help="a tiny model of the same family with random weights")
+    p.add_argument("--block-size", type=int, default=5, help="Block AttnRes block size in layers (default: %(default)s)")
+    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"], help="(default: fp32 bf16)")
+    p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="(default: train decode)")
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds per case (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls of each model first (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=2, help="training sequences per step (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=256, help="training tokens per sequence (default: %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=64, help="decoded tokens (default: %(default)s)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: cuda if present)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--profile", choices=CASES, default=None,
+                   help="instead of timing, print a torch.profiler table of one call of each model in this case")
+    p.add_argument("--json", default="docs/real_model.json", help="where to write the figures (default: %(default)s)")
+    args = p.parse_args(argv)
+    for name in ("block_size", "rounds", "batch", "tokens", "new_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    return args
+
+
+def load_models(source: str | dict, dtype: torch.dtype, device: str, block_size: int) -> dict:
+    """The original model (from a folder, or a llama config's fields with random weights) and its Block and Full
+    conversions, in `dtype` on `device`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from attnres.models import convert_from_hf
+
+    if isinstance(source, dict):
+        torch.manual_seed(0)
+        original = LlamaForCausalLM(LlamaConfig(**source)).to(device, dtype)
+    else:
+        original = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
+    return {
+        ORIGINAL: original,
+        BLOCK: convert_from_hf(copy.deepcopy(original), residual=BLOCK, attn_res_block_size=block_size),
+        FULL: convert_from_hf(copy.deepcopy(original), residual=FULL),
+    }
+
+
+def real_tokens(source: str | dict, count: int) -> torch.Tensor:
+    """`count` token ids of real text: the standard library's sources in the model's own tokenizer (random ids for a
+    model with random weights)."""
+    from transformers import AutoTokenizer
+
+    if isinstance(source, dict):
+        return torch.randint(0, source["vocab_size"], (count,), generator=torch.Generator().manual_seed(0))
+    folder = source
+    from attnres.training.data import read_corpus
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = b"\n".join(read_corpus("stdlib", 8 * count).documents).decode("utf-8", errors="replace")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < count:
+        raise ValueError(f"tokens: the corpus gave {len(ids)} tokens, fewer than the {count} asked for")
+    return torch.tensor(ids[:count])
+
+
+def training_step(model, ids: torch.Tensor):
+    from attnres.training.optim import fused_adamw
+
+    model.train()
+    optimizer = fused_adamw(model.parameters(), lr=1e-6)  # small: the weights stay those of a real model
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def greedy_decode(model, prompt: torch.Tensor, new_tokens: int):
+    model.eval()
+
+    @torch.no_grad()
+    def decode() -> None:
+        out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        assert out.shape[1] == prompt.shape[1] + new_tokens
+
+    return decode
+
+
+def case_functions(case: str, models: dict, tokens: torch.Tensor, args) -> dict:
+    device = next(models[ORIGINAL].parameters()).device
+    if case == "train":
+        ids = tokens[: args.batch * args.tokens].view(args.batch, args.tokens).to(device)
+        return {name: training_step(m, ids) for name, m in models.items()}
+    prompt = tokens[None, :32].to(device)
+    for m in models.values():
+        m.generation_config.pad_token_id = m.generation_config.eos_token_id
+    return {name: greedy_decode(m, prompt, args.new_tokens) for name, m in models.items()}
+
+
+def summarise(times: dict[str, list[float]]) -> dict:
+    rounds = len(times[ORIGINAL])
+    ratios = {name: [t[i] / times[ORIGINAL][i] for i in range(rounds)] for name, t in times.items() if name != ORIGINAL}
+    return {
+        "ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
+        "ratio": {name: statistics.median(r) for name, r in ratios.items()},
+        "round_ratios": ratios,
+        "seconds": times,
+    }
+
+
+def profile(fns: dict, device: str) -> None:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    for name, fn in fns.items():
+        fn()
+        with torch_profile(activities=activities) as prof:
+            fn()
+        print(f"--- {name}")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.smoke or args.random_weights:
+        source, name = (SMOKE, "llama (smoke sizes), random weights") if args.smoke else (
+            SMOLLM2_135M, "SmolLM2-135M architecture, random weights")
+    else:
+        if args.folder is None:
+            from attnres.models.fetch import fetch
+
+            args.folder = str(fetch("smollm2-135m"))
+        source, name = args.folder, Path(args.folder).name
+    tokens = real_tokens(source, args.batch * args.tokens)
+    results = []
+    for dtype_name in args.dtypes:
+        models = load_models(source, DTYPES[dtype_name], args.device, args.block_size)
+        for case in args.cases:
+            fns = case_functions(case, models, tokens, args)
+            if args.profile == case:
+                profile(fns, args.device)
+                continue
+            row = {"case": case, "dtype": dtype_name, **summarise(round_times(fns, args.rounds, args.warmup, args.device))}
+            results.append(row)
+            print(f"{case:6s} {dtype_name}: original {row['ms'][ORIGINAL]:8.1f} ms; "
+                  + "; ".join(f"{k} {row['ratio'][k]:.3f}x" for k in (BLOCK, FULL)), flush=True)
+        del models
+    if args.profile:
+        return 0
+    record = {
+        "model": name, "block_size": args.block_size, "device": args.device,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
+        "train_shape": [args.batch, args.tokens], "decode": {"batch": 1, "prompt": 32, "new_tokens": args.new_tokens},
+        "rounds": args.rounds, "warmup": args.warmup, "command": "python -m benchmarks.real_model " + " ".join(sys.argv[1:]),
+        "results": results,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(args.json, json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
