@@ -4,6 +4,8 @@ docs/design.md section 2), ready to fine-tune."""
 
 from __future__ import annotations
 
+import argparse
+import textwrap
 from pathlib import Path
 
 from attnres.layers.kinds import BLOCK, DEFAULT_BLOCK_SIZE, RESIDUAL_KINDS
@@ -12,23 +14,41 @@ from attnres.models.gguf import is_gguf
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+EXAMPLES = """\
+examples:
+  attnres convert path/to/llama_folder out/ --residual block --block-size 4
+  attnres convert meta-llama/Llama-3.2-1B out/ --residual full --allow-download
+  attnres convert SmolLM2-135M-Instruct.Q4_1.gguf out/ --block-size 5
+
+  A GGUF file needs the gguf extra: pip install -e ".[gguf]".
+"""
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "convert",
         help="convert a transformers causal LM (any PreNorm decoder family) into an AttnRes model with the same outputs",
-        description="Loads SRC with transformers (safetensors, no remote code), builds an AttnResForCausalLM on "
-        "SRC's own family modules (its attention, rope, MLP or MoE, norms), copies every weight key for key, starts "
-        "the AttnRes parameters at zero queries and unit gains with attn_res_rescale_mixture on, so its logits equal "
-        "the original's to fp32 rounding, and writes it (with SRC's tokenizer, if any) to the new folder DST in one "
-        "atomic rename. A family whose decoder layer is not PreNorm (post-norm, parallel attention and MLP) is "
-        "refused with the reason. Examples: attnres convert meta-llama/Llama-3.2-1B out/ --residual block "
-        "--block-size 4 --allow-download; attnres convert SmolLM2-135M-Instruct.Q4_1.gguf out/ --residual full",
+        description=textwrap.fill(
+            "Converts SRC, a causal LM of a PreNorm transformers decoder family (Llama, Mistral, Qwen, Gemma, "
+            "DeepSeek-V3, ...), into an AttnRes model that computes the same function, and writes it with SRC's "
+            "tokenizer and chat template to the new folder DST (complete, or not at all). Every weight is copied key "
+            "for key onto the family's own modules; the AttnRes parameters start at zero pseudo-queries and unit key "
+            "gains with attn_res_rescale_mixture on, so the logits equal the original's to fp32 rounding, and "
+            "fine-tuning then moves the queries. SRC loads with safetensors, never with remote code. A family whose "
+            "decoder layer is not PreNorm (post-norm, parallel attention and MLP) is refused with the reason.",
+            width=78, break_on_hyphens=False,
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("src", metavar="SRC",
                    help="a transformers model folder, a GGUF file (model.gguf: dequantized, its tokenizer and chat "
                    "template rebuilt from it), or a Hub name with --allow-download")
     p.add_argument("dst", metavar="DST", help="the folder to create for the AttnRes model (must not exist)")
-    p.add_argument("--residual", choices=RESIDUAL_KINDS, default=BLOCK, help="(default: %(default)s)")
+    p.add_argument("--residual", choices=RESIDUAL_KINDS, default=BLOCK,
+                   help="block: each sublayer reads a softmax attention over the sums of earlier blocks of decoder "
+                   "layers and the current block's partial sum; full: over every earlier sublayer output; standard: "
+                   "the plain residual sum, on the same code path (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help="Block AttnRes block size, counted in decoder layers (default: %(default)s)")
     p.add_argument("--no-rescale", action="store_true",
