@@ -33,6 +33,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 import attnres
 from attnres import naive_depth_attention
 from attnres.models import AttnResConfig, AttnResForCausalLM
+from attnres.models.naive import naive_logits
 from tests.models import TINY
 from tests.models.test_invariants import reference_sources
 
@@ -385,6 +386,32 @@ def test_nonzero_queries_follow_the_schedule_on_the_familys_own_modules(family, 
     trained = model(IDS).logits.detach()  # the training path
     assert rel_err(trained, expected) < 1e-5 and rel_err(bank, expected) < 1e-5
     assert rel_err(bank, trained) < 1e-6
+
+
+@pytest.mark.parametrize("family, residual", CASES)
+def test_the_naive_model_follows_the_schedule_and_the_model_follows_it_with_its_gradients(family, residual):
+    """`attnres.models.naive` (the whole forward in plain torch, read from the model's own plan) gives the logits of
+    the reference written out above, and the model's forward gives the naive model's logits and parameter gradients."""
+    model = copy.deepcopy(with_queries(family, residual)).train()
+    expected = expected_with_queries(family, residual)
+    naive = naive_logits(model, IDS)
+    assert rel_err(naive.detach(), expected) < 1e-5
+    got = model(IDS).logits
+    assert rel_err(got.detach(), naive.detach()) < 1e-5
+    weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(2))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad((got * weights).sum(), [p for _, p in named], allow_unused=True)
+    naive_grads = torch.autograd.grad((naive * weights).sum(), [p for _, p in named], allow_unused=True)
+    for (name, _), a, b in zip(named, grads, naive_grads):
+        assert (a is None) == (b is None), name
+        if a is not None and b.norm() > 0:
+            assert rel_err(a, b) < 1e-4, (name, rel_err(a, b))
+
+
+def test_the_naive_model_of_the_standard_residual_is_the_original():
+    model = attnres.convert_from_hf(original("llama"), residual="standard")
+    with torch.no_grad():
+        assert rel_err(naive_logits(model, IDS), original_logits("llama")) < 1e-6
 
 
 @pytest.mark.parametrize("family, residual", CASES)
