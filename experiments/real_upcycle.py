@@ -4,12 +4,13 @@ exactly at step 0, and as Block with its base frozen.
 
 Every arm is one `attnres train --init-from FOLDER` run (`attnres.training.train`, what the command runs) on the same
 tokens with the same schedule: the Python standard library's sources in SmolLM2's own tokenizer, the last 5% of the
-files held out for validation, K steps of 2 x 256 tokens, a 10-step warm-up and cosine to a tenth of a fine-tuning peak
-lr of 5e-5, for the base weights. The AttnRes parameters (pseudo-queries and key gains) start at zero queries and
-learn at 5e-4 (`--attn-res-lr-mult 10`): at the base's lr they would barely leave the plain mean in K steps. One run
-per seed (the seed draws the batches; the weights are the pretrained ones, exactly); each arm's gap to continued
-standard is paired by seed with its 95% t interval. Compute-matched: standard for K x Block's step-time ratio steps,
-the ratio measured side by side in this process (rounds of steps of each model in turn).
+files held out for validation, K steps of 2 x 256 tokens, a 5-step warm-up and cosine to a tenth of a fine-tuning peak
+lr of 5e-5. Block and Full train their AttnRes parameters (pseudo-queries and key gains, from zero queries) at the
+same lr as the base (`--attn-res-lr-mult 1`: with Adam each query coordinate moves by about the lr a step, and a score
+sums d = 576 of them); frozen-base Block trains them alone, at 10x. One run per seed (the seed draws the batches; the
+weights are the pretrained ones, exactly); each arm's gap to continued standard is paired by seed with its 95% t
+interval. Compute-matched: standard for K x Block's step-time ratio steps, the ratio measured side by side in this
+process (rounds of steps of each model in turn).
 
 After each AttnRes run, the mean depth weights of its final model on held-out text (which sources each point reads:
 the paper's figure 8) go into the ledger and the figure.

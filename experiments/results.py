@@ -2,7 +2,8 @@
 
     python -m experiments.results            # writes docs/results.md and redraws its figures
 
-Reads docs/budget.json, docs/query_lr.json, docs/stability.json, docs/upcycle.json and docs/warmup_stall.json
+Reads docs/budget.json, docs/query_lr.json, docs/stability.json, docs/upcycle.json, docs/real_upcycle.json and
+docs/warmup_stall.json
 (written by the scripts of the same names) and docs/compare_summary*.json (`attnres compare`'s summaries, at the query
 lr multipliers 1 and 0.1); every number on the page is computed here from those files, and so is every conclusion
 (tests/analysis/test_results_page.py checks that the committed page matches them).
@@ -21,7 +22,7 @@ from attnres.analysis.stats import paired_gaps
 from attnres.atomic import atomic_write_text
 from attnres.training import TrainConfig
 from attnres.commands import compare as compare_command
-from experiments import budget, query_lr, stability, upcycle
+from experiments import budget, query_lr, real_upcycle, stability, upcycle
 from experiments.study import verdict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ PAPER = ("The paper (Kimi Team 2026) reports Block AttnRes (8 blocks) about 0.02
 PUBLIC_UPCYCLE = ("The public evidence on upcycling is thin: a plain AttnRes fine-tune of Qwen3-0.6B scored 54.1 on a "
                   "downstream average against 55.0 for the plain fine-tune (delta-attention-residuals).")
 ARM_NAMES = {"standard": "standard", "block": "Block", "full": "Full",
-             "block-frozen": "frozen-base Block (`--freeze-base`)"}
+             "block-frozen": "frozen-base Block (`--freeze-base`)", "standard-matched": "standard, compute-matched"}
 
 
 def load(name: str) -> dict | None:
@@ -379,6 +380,48 @@ def upcycle_readme(data: dict) -> str:
             f"{interval(summary['compute_matched']['gap'])}.")
 
 
+def real_upcycle_section(data: dict) -> list[str]:
+    """SmolLM2-135M continued as standard, Block, Full and frozen-base Block: whatever seeds the ledger holds."""
+    summary, setup = data["summary"], data["setup"]
+    cont, losses = setup["continue"], summary["val_loss"]
+    rows = ["| continued as | seeds | val loss (nats/token) | minus continued standard [95%] | reading |",
+            "| --- | --- | --- | --- | --- |",
+            f"| standard | {len(losses.get('standard', {}))} | {spread(list(losses.get('standard', {}).values()))} | | |"]
+    for row in summary["continue"]:
+        if row["arm"] == real_upcycle.MATCHED:
+            continue
+        rows.append(f"| {ARM_NAMES[row['arm']]} | {row['gap_to_standard']['n']} "
+                    f"| {spread(list(losses.get(row['arm'], {}).values()))} | {interval(row['gap_to_standard'])} "
+                    f"| {row['verdict']} |")
+    matched = summary["compute_matched"]
+    ratio = (summary["step_time_ratio"] or {}).get(real_upcycle.BLOCK)
+    gaps = {r["arm"]: r["gap_to_standard"] for r in summary["continue"]}
+    seeds = min((g["n"] for arm, g in gaps.items() if arm != real_upcycle.MATCHED), default=0)
+    reading = (
+        f"Every arm starts at the pretrained model's own loss ({', '.join(f'{v:.4f}' for v in summary['step0_val_loss'])}"
+        " at step 0: the conversion is exact). "
+        + (f"Compute-matched: Block's steps took {ratio:.2f}x standard's (measured side by side in the study's "
+           f"process, beside other jobs), so standard trains {matched['standard_steps']} steps in Block's time; Block "
+           f"minus that run: {interval(matched['gap'])}, {matched['verdict']}. " if ratio else "")
+        + (f"With {seeds} seed{'s' if seeds != 1 else ''} of every arm so far, this is no verdict yet: the study "
+           "resumes from its ledger (`python -m experiments.real_upcycle`) until every arm has 3 seeds. "
+           if seeds < 3 else "")
+        + "The anchors: " + PUBLIC_UPCYCLE[0].lower() + PUBLIC_UPCYCLE[1:] + " The paper's from-scratch gains are "
+        "about 0.02 nats at 194M-528M parameters.")
+    return [
+        f"`{data['command']}`: SmolLM2-135M-Instruct (`attnres fetch smollm2-135m`, dequantized from its 4-bit GGUF "
+        f"file) continued for {cont['steps']} steps of {setup['data']['batch_size']} x {setup['data']['seq_len']} "
+        f"tokens of the Python standard library's sources in its own tokenizer (the last 5% of the files held out), "
+        f"a {cont['warmup']}-step warm-up and cosine from a peak lr of {cont['lr']:g}, each arm one `attnres train "
+        f"--init-from` run per seed (the seed draws the batches): standard, Block (block size {cont['block_size']}) "
+        f"and Full with the AttnRes parameters at {cont['attn_res_lr_mult']:g}x, and Block with `--freeze-base` "
+        f"(the AttnRes parameters alone, at {cont['arms']['block-frozen']['attn_res_lr_mult']:g}x). Gaps paired by "
+        "seed, with a 95% t interval.", "", *rows, "", reading, "",
+        "![real upcycle](figures/real_upcycle.png)", "",
+        "Which sources each point reads after continued training (seed 0; the paper's figure 8):", "",
+        "![depth weights](figures/real_depth_weights.png)"]
+
+
 def sections() -> list[tuple[str, list[str]]]:
     """(title, lines) of every study with results."""
     out = []
@@ -414,14 +457,16 @@ def sections() -> list[tuple[str, list[str]]]:
             stability_conclusion(data), "", "![stability](figures/stability.png)"]))
     if data := load("upcycle"):
         out.append(("Upcycling: continuing a pretrained model as AttnRes", upcycle_section(data)))
+    if data := load("real_upcycle"):
+        out.append(("A real model: SmolLM2-135M continued as AttnRes", real_upcycle_section(data)))
     return out
 
 
 def page() -> str:
-    lines = ["# Results at small scale: AttnRes against PreNorm", "",
+    lines = ["# Results: AttnRes against PreNorm", "",
              "Generated by `python -m experiments.results` from the JSON beside this page. Byte-level language models "
              "on the Python standard library's sources (4 MiB, 5% held out), 16 x 128 bytes a step, one CPU thread a "
-             "run.", ""]
+             "run, and a real pretrained model (SmolLM2-135M) continued on the same sources.", ""]
     for title, body in sections():
         lines += [f"## {title}", "", *body, ""]
     stall = load("warmup_stall")
@@ -436,7 +481,8 @@ def page() -> str:
 def draw_all() -> None:
     if data := load("budget"):
         budget.draw(data["runs"], ROOT / "docs" / "figures" / "budget.png", step_time_ratios())
-    for name, module in (("query_lr", query_lr), ("stability", stability), ("upcycle", upcycle)):
+    for name, module in (("query_lr", query_lr), ("stability", stability), ("upcycle", upcycle),
+                         ("real_upcycle", real_upcycle)):
         if data := load(name):
             module.draw(data["runs"], ROOT / "docs" / "figures" / f"{name}.png")
 
