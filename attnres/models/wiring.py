@@ -17,8 +17,9 @@ is no checkpointed layer, finds it in `ACTIVE_RECORDS`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -129,21 +130,33 @@ class SharedStream:
 ACTIVE_STREAM = CompileableContextVar("attn_res_stream")
 
 
-# "0" runs Full's points one at a time in training too (the chain's gradients are the same; this is for comparison)
-FULL_CHAIN_ENV = "ATTNRES_FULL_CHAIN"
+# False inside `unchained_full_points()`: Full's points run one at a time in training too (never read when traced)
+_FULL_CHAIN = contextvars.ContextVar("attn_res_full_chain", default=True)
+
+
+@contextlib.contextmanager
+def unchained_full_points():
+    """Within the block, Full's training forwards run their points one at a time instead of as a chain: the same
+    gradients, summed by autograd (for comparisons; docs/design.md section 3). A backward that replays a checkpointed
+    layer must run within it too."""
+    token = _FULL_CHAIN.set(False)
+    try:
+        yield
+    finally:
+        _FULL_CHAIN.reset(token)
 
 
 def _stream_options(config, records: Records | None, inference: bool, training: bool) -> dict:
     """`training`: the forward has a backward (or reentrant checkpointing will replay it with one). Full's points then
-    form a chain (`attnres.ops.chain`), except where traced (`torch.compile` takes the functional op) or switched off
-    by ATTNRES_FULL_CHAIN=0."""
+    form a chain (`attnres.ops.chain`), except where traced (`torch.compile` takes the functional op) or within
+    `unchained_full_points()`."""
     return dict(
         block_size=config.attn_res_block_size,
         rescale_mixture=config.attn_res_rescale_mixture,
         two_phase=config.attn_res_two_phase,
         record_weights=records is not None and records.depth,
         inference=inference,
-        chain=training and not torch.compiler.is_compiling() and os.environ.get(FULL_CHAIN_ENV, "1") != "0",
+        chain=training and not torch.compiler.is_compiling() and _FULL_CHAIN.get(),
     )
 
 

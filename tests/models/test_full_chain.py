@@ -1,7 +1,7 @@
 """A Full model's training forward chains its aggregation points (`attnres.ops.chain`): the decoder layers hand the
 chain's carrier on in their `ResidualState`, and the loss and every gradient are those of the functional points.
 
-The functional run is the same model with the chain switched off (ATTNRES_FULL_CHAIN=0).
+The functional run is the same model with the chain switched off (`wiring.unchained_full_points()`).
 With the torch kernels both sum each source's gradient in autograd's order, so they agree bit for bit; the CPU kernel
 may fuse its add differently (fp32 rounding).
 """
@@ -19,17 +19,9 @@ BACKENDS = ["torch", "auto"]
 
 
 @pytest.fixture
-def functional_points(monkeypatch):
+def functional_points():
     """Returns a context in which the model's Full points run unchained."""
-
-    class Unchained:
-        def __enter__(self):
-            monkeypatch.setenv(wiring.FULL_CHAIN_ENV, "0")
-
-        def __exit__(self, *exc):
-            monkeypatch.delenv(wiring.FULL_CHAIN_ENV)
-
-    return Unchained
+    return wiring.unchained_full_points
 
 
 def assert_steps_agree(got, want, exact: bool) -> None:
@@ -70,10 +62,11 @@ def test_a_training_forward_hands_the_carrier_from_layer_to_layer():
         assert carriers(model) == [None] * L  # no backward, no chain
 
 
-def test_the_switch_turns_the_chain_off(monkeypatch):
+def test_the_switch_turns_the_chain_off():
     model = make_model(residual="full")
-    monkeypatch.setenv(wiring.FULL_CHAIN_ENV, "0")
-    assert carriers(model) == [None] * model.config.num_hidden_layers
+    with wiring.unchained_full_points():
+        assert carriers(model) == [None] * model.config.num_hidden_layers
+    assert carriers(model) != [None] * model.config.num_hidden_layers  # and only within it
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
