@@ -90,8 +90,13 @@ class BankStream(BlockStream):
             t = self.point - self._phase1_start
             m, z, u = (s[t] for s in self._phase1_stats)
             mix = self._merge(m, z, u, self.prefix, self.pending, c, out_w, point.eps, out_eps)
+            self._merge = getattr(self._merge, "kernel", self._merge)
         else:
             mix = self._aggregate(self.bank, self.nvb, self.prefix, self.pending, c, out_w, point.eps, out_eps, write)
+            # checked once per stream: every later call passes its own bank and prefix buffers again, the pending
+            # output as reshaped by `_write`, and c and the gains from the same [1, d] and [d] weights; at decode the
+            # checks cost as much as the kernel
+            self._aggregate = getattr(self._aggregate, "kernel", self._aggregate)
         self.pending = None
         if write:
             self.nvb += 1

@@ -170,11 +170,12 @@ def check_bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps) 
 def validated(check: Callable, kernel: Callable) -> Callable:
     """`kernel` behind `check` on the same (positional) arguments, before anything is written. The bank ops are wrapped
     once, when a backend is made: an inference stream binds a backend's op for good and calls it at every point, past
-    any dispatcher that could check for it."""
+    any dispatcher that could check for it. `run.kernel` is the kernel alone."""
 
     @functools.wraps(kernel)
     def run(*args):
         check(*args)
         return kernel(*args)
 
+    run.kernel = kernel  # for a caller that has checked the arguments it keeps passing (`BankStream`)
     return run

@@ -112,3 +112,15 @@ def test_folded_query_is_computed_from_the_weights_at_every_read():
     c = points[4].folded_query()
     points[4].proj.weight.data.mul_(2.0)
     assert torch.equal(points[4].folded_query(), 2 * c)  # a fresh tensor at every call, never one held over
+
+
+def test_a_streams_first_point_checks_what_the_kernel_takes():
+    """The stream checks the arguments of its first fused call (later calls pass its own buffers and the same
+    weights): a PreNorm gain of the wrong width is refused by name before anything is written."""
+    L, S, d = 2, 1, 8
+    points, norms, mats = _stack(L, d, seed=4)
+    norms[0] = RMSNorm(d + 1)
+    emb = torch.randn(5, d)
+    stream = make_stream("block", emb, L, points, block_size=S, inference=True)
+    with torch.no_grad(), pytest.raises(ValueError, match="^out_norm_weight:"):
+        stream.read(norms[0])
