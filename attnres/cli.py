@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attnres",
         description="Attention Residuals: the residual sum of a Transformer replaced by a softmax attention over depth.",
+        epilog="`attnres COMMAND --help` says what a command does, with examples.",
     )
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
