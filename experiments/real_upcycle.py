@@ -29,10 +29,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from attnres.analysis.stats import paired_gaps
 from attnres.layers.kinds import BLOCK, FULL, STANDARD
 from attnres.training import TrainConfig
-from experiments.study import Ledger, progress, step_times, timed_run, verdict
+from experiments.study import Ledger, paired_by_seed, progress, step_times, timed_run, verdict
 
 MODEL = "smollm2-135m"
 DATA = dict(data="stdlib", max_bytes=4 * 2**20, seq_len=256, batch_size=2, eval_batches=16)
@@ -118,25 +117,21 @@ def run_all(args, ledger: Ledger) -> None:
             draw(ledger.runs, Path(args.figure))
 
 
-def _paired(a: dict[int, float], b: dict[int, float]) -> dict:
-    return paired_gaps([a[s] - b[s] for s in sorted(a.keys() & b.keys())])
-
 
 def summarise(runs: dict) -> dict:
     by_arm: dict[str, dict[int, float]] = {}
-    step0: list[float] = []
+    step0: list[tuple[int, float]] = []  # each run's first evaluation (step, loss)
     for r in runs.values():
         if r.get("kind") == "continue":
             by_arm.setdefault(r["arm"], {})[r["seed"]] = r["val_loss"]
             step0.append(r["val_curve"][0])
     standard = by_arm.get(STANDARD, {})
-    arms = [{"arm": arm, "gap_to_standard": (gap := _paired(by_arm.get(arm, {}), standard)), "verdict": verdict(gap)}
+    arms = [{"arm": arm, "gap_to_standard": (gap := paired_by_seed(by_arm.get(arm, {}), standard)), "verdict": verdict(gap)}
             for arm in ORDER if arm != STANDARD]
-    matched = _paired(by_arm.get(BLOCK, {}), by_arm.get(MATCHED, {}))
-    first = {s: v for s, v in step0 if s == 0}
+    matched = paired_by_seed(by_arm.get(BLOCK, {}), by_arm.get(MATCHED, {}))
     return {
         # every run's evaluation at step 0: the pretrained model's own loss, for every arm (the conversion is exact)
-        "step0_val_loss": sorted({round(v, 6) for s, v in step0 if s == 0}) if first is not None else [],
+        "step0_val_loss": sorted({round(v, 6) for s, v in step0 if s == 0}),
         "step_time_ratio": runs.get(STEP_TIME, {}).get("ratio"),
         "val_loss": {arm: {str(s): v for s, v in sorted(seeds.items())} for arm, seeds in by_arm.items()},
         "continue": arms,

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from attnres.analysis.stats import paired_gaps
 from attnres.analysis.stats import verdict as stats_verdict
 from attnres.atomic import atomic_write_text
 from attnres.training import TrainConfig, train
@@ -144,6 +145,11 @@ _READINGS = {
     "above": "standard lower (95% interval above 0)",
     "noise": "no measurable difference (95% interval spans 0)",
 }
+
+
+def paired_by_seed(a: dict[int, float], b: dict[int, float]) -> dict:
+    """The gaps a - b over the seeds both hold, with their mean and 95% t interval (`paired_gaps`)."""
+    return paired_gaps([a[s] - b[s] for s in sorted(a.keys() & b.keys())])
 
 
 def verdict(stats: dict) -> str:

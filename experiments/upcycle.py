@@ -33,7 +33,7 @@ from pathlib import Path
 from attnres.analysis.stats import paired_gaps
 from attnres.layers.kinds import BLOCK, FULL, STANDARD
 from attnres.training import TrainConfig
-from experiments.study import COMMON, Ledger, progress, step_times, timed_run, verdict
+from experiments.study import COMMON, Ledger, paired_by_seed, progress, step_times, timed_run, verdict
 
 PRETRAIN = dict(layers=12, dim=64, heads=4, residual=STANDARD, steps=400, warmup=40)
 CONTINUE = dict(lr=1e-3, warmup=20, block_size=2)
@@ -128,10 +128,6 @@ def run_depth(args, ledger: Ledger) -> None:
                 draw(ledger.runs, Path(args.figure))
 
 
-def _paired(a: dict[int, float], b: dict[int, float]) -> dict:
-    """The gaps a - b over the seeds both hold."""
-    return paired_gaps([a[s] - b[s] for s in sorted(a.keys() & b.keys())])
-
 
 def summarise(runs: dict) -> dict:
     by_arm: dict[str, dict[int, float]] = {}
@@ -145,21 +141,21 @@ def summarise(runs: dict) -> dict:
     pretrain = runs.get("pretrain", {}).get("val_loss")
     arms = []
     for arm in [a for a in ARMS if a != STANDARD]:
-        gap = _paired(by_arm.get(arm, {}), standard)
+        gap = paired_by_seed(by_arm.get(arm, {}), standard)
         arms.append({"arm": arm, "gap_to_standard": gap, "verdict": verdict(gap),
                      "minus_pretrained": paired_gaps([v - pretrain for v in by_arm.get(arm, {}).values()])
                      if pretrain else None})
-    matched = _paired(by_arm.get(BLOCK, {}), by_arm.get(MATCHED, {}))
+    matched = paired_by_seed(by_arm.get(BLOCK, {}), by_arm.get(MATCHED, {}))
     depth = []
     for layers in DEPTHS:
-        gap = _paired(by_depth.get((layers, BLOCK), {}), by_depth.get((layers, STANDARD), {}))
+        gap = paired_by_seed(by_depth.get((layers, BLOCK), {}), by_depth.get((layers, STANDARD), {}))
         depth.append({"layers": layers, "gap": gap, "verdict": verdict(gap)})
 
     def gaps_by_seed(layers: int) -> dict[int, float]:
         block, std = by_depth.get((layers, BLOCK), {}), by_depth.get((layers, STANDARD), {})
         return {s: block[s] - std[s] for s in block.keys() & std.keys()}
 
-    widening = _paired(gaps_by_seed(DEPTHS[-1]), gaps_by_seed(DEPTHS[0]))
+    widening = paired_by_seed(gaps_by_seed(DEPTHS[-1]), gaps_by_seed(DEPTHS[0]))
     step0 = [r["val_curve"][0][1] - pretrain for r in runs.values() if r.get("kind") == "continue" and pretrain]
     return {
         "pretrain_val_loss": pretrain,
