@@ -1,6 +1,6 @@
 """attnres: Attention Residuals, the residual sum replaced by a softmax attention over depth."""
 
-from attnres.layers import DepthAttention, RMSNorm, make_stream
+from attnres.layers import DepthAttention, RMSNorm, make_residual, make_stream
 from attnres.ops import (
     SoftmaxStats,
     depth_attention,
@@ -20,6 +20,7 @@ __all__ = [
     "SoftmaxStats",
     "depth_attention",
     "depth_stats",
+    "make_residual",
     "make_stream",
     "finish_stats",
     "merge_prefix",

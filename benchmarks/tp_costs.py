@@ -3,7 +3,7 @@
 Every rank builds the same Block AttnRes model (Llama-shaped, fp32, default d=256, 4 layers, block size 2, T=512
 tokens), keeps an unparallelised copy as the one-process baseline, and measures both in the same process:
 
-- bank bytes: the `[tokens, NB, d]` bank of a no-grad prefill (`BankStream.bank`), against `attnres estimate`'s
+- bank bytes: the `[tokens, NB, d]` bank of a no-grad prefill (`BankState.bank`), against `attnres estimate`'s
   `bank_bytes` and `bank_bytes_per_rank` (`attnres.analysis.cost.residual_cost`);
 - FLOPs of that prefill, counted with `torch.utils.flop_counter.FlopCounterMode` per module: the attention sublayers
   (`self_attn`: projections and the attention itself), the MLPs, the whole model; ratio to one process. A DTensor op

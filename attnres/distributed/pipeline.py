@@ -47,7 +47,7 @@ from attnres.distributed.ranks import (
     RankFailed, collective, collective_device, is_collective_error, lost_rank_message,
 )
 from attnres.layers.kinds import BLOCK, FULL, STANDARD
-from attnres.layers.streams import ResidualState
+from attnres.layers.residuals import ResidualState
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 _MULTI_CHUNK = ("interleaved", "zero-bubble")  # schedules that run several chunks a rank
@@ -211,7 +211,7 @@ class PipelineChunk(nn.Module):
         model = self._model[0]
         if self.is_first:
             self._begin_tensor_parallel(inputs[0].shape[1])
-            layer_inputs = _layer_inputs(model, input_ids=inputs[0])
+            layer_inputs = model.layer_inputs(input_ids=inputs[0])
             state = layer_inputs[0][0]  # the family's embedding
         else:
             rows, head = self._unpack(inputs, key)
@@ -220,7 +220,7 @@ class PipelineChunk(nn.Module):
             if self.tp is not None:  # the state is this rank's tokens; masks and rotary embeddings cover them all
                 ref = ref.new_empty(ref.shape[0], ref.shape[1] * self.tp.world_size, *ref.shape[2:])
             self._begin_tensor_parallel(ref.shape[1])
-            layer_inputs = _layer_inputs(model, inputs_embeds=ref)
+            layer_inputs = model.layer_inputs(inputs_embeds=ref)
         for i in self.plan.layers(self.index):
             state = model.model.layers[i](state, **layer_inputs[i][1])
         if self.is_last:  # the family's own head: logit scaling or soft-capping included
@@ -252,9 +252,7 @@ class PipelineChunk(nn.Module):
 
 
 class _Elsewhere(nn.Module):
-    """Stands in for a decoder layer while the family's base model hands out the layers' keyword arguments
-    (`layer_inputs`): it records them and runs nothing. It also takes the place of the layers another pipeline rank
-    runs, so a rank holds only its own."""
+    """Takes the place of a decoder layer another pipeline rank runs, so a rank holds only its own."""
 
     sides = ()  # planned, with no sublayer here
 
@@ -262,23 +260,8 @@ class _Elsewhere(nn.Module):
         super().__init__()
         self.layer_idx = index
 
-    def forward(self, hidden_states, attn_res_records=None, **kwargs):
-        if attn_res_records is None or attn_res_records.layer_inputs is None:
-            raise RuntimeError(f"decoder layer {self.layer_idx} runs on another pipeline rank")
-        attn_res_records.layer_inputs.append((hidden_states, kwargs))
-        return hidden_states
-
-
-def _layer_inputs(model: nn.Module, **inputs) -> list[tuple[torch.Tensor, dict]]:
-    """`model.layer_inputs(**inputs)` with stand-ins for every decoder layer: the real ones (FSDP2 groups among them)
-    are not called, so nothing is gathered for a forward that runs none of them."""
-    base = model.model
-    layers = base.layers
-    base.layers = nn.ModuleList(_Elsewhere(i) for i in range(len(layers)))
-    try:
-        return model.layer_inputs(**inputs)
-    finally:
-        base.layers = layers
+    def forward(self, hidden_states, **kwargs):
+        raise RuntimeError(f"decoder layer {self.layer_idx} runs on another pipeline rank")
 
 
 def keep_stages(model: nn.Module, plan: PipelinePlan, rank: int) -> None:

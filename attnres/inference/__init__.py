@@ -1,6 +1,6 @@
 """Inference glue around the models: loading a folder for generation and streaming its text.
 
-The fused bank path itself lives in `attnres.layers.bank_stream` (chosen by any forward without autograd); the KV
+The fused bank path itself lives in `attnres.layers.bank` (chosen by any forward without autograd); the KV
 cache and drafter capture are options of `AttnResForCausalLM.forward` (`cache`, `capture_layers`).
 """
 

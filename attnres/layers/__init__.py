@@ -1,9 +1,19 @@
-"""Aggregation points and residual streams; know nothing of a particular model."""
+"""Aggregation points and the residual path (residual objects, their inference backends, streams); know nothing of a
+particular model."""
 
 from attnres.layers.depth_attention import DepthAttention, KeyNorm, NamedPoint, PseudoQuery, RMSNorm
-from attnres.layers.factory import make_stream, resume_stream
+from attnres.layers.factory import make_residual
 from attnres.layers.kinds import BLOCK, DEFAULT_BLOCK_SIZE, FULL, RESIDUAL_KINDS, STANDARD
-from attnres.layers.streams import BlockStream, FullStream, ResidualStream, StandardStream
+from attnres.layers.residuals import (
+    BlockResidual,
+    FullResidual,
+    PreNorm,
+    Recorder,
+    Residual,
+    ResidualState,
+    StandardResidual,
+)
+from attnres.layers.streams import ResidualStream, make_stream, resume_stream
 
 __all__ = [
     "BLOCK",
@@ -11,15 +21,20 @@ __all__ = [
     "FULL",
     "RESIDUAL_KINDS",
     "STANDARD",
-    "BlockStream",
+    "BlockResidual",
     "DepthAttention",
+    "FullResidual",
     "KeyNorm",
     "NamedPoint",
+    "PreNorm",
     "PseudoQuery",
-    "FullStream",
     "RMSNorm",
+    "Recorder",
+    "Residual",
+    "ResidualState",
     "ResidualStream",
-    "StandardStream",
+    "StandardResidual",
+    "make_residual",
     "make_stream",
     "resume_stream",
 ]

@@ -38,20 +38,20 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from attnres.layers import KeyNorm, NamedPoint, PseudoQuery
 from attnres.layers.kinds import STANDARD
-from attnres.layers.streams import ResidualState
+from attnres.layers.residuals import ResidualState
 from attnres.models.configuration_attnres import AttnResConfig
 from attnres.models.family import Sublayer, plan_decoder_layers
 from attnres.models.loading import check_bank_layout, check_loaded_weights, saved_config
 from attnres.models.wiring import (
-    ACTIVE_RECORDS,
-    ACTIVE_STREAM,
+    ACTIVE_RESIDUAL,
     OUTPUT_POINT,
     AttnResDecoderLayer,
     FinalRead,
+    LayerInputs,
     Records,
-    SharedStream,
     add_points,
     flat_tensor_checkpoint,
+    residual_for,
 )
 
 
@@ -162,9 +162,14 @@ class AttnResPreTrainedModel(PreTrainedModel):
         """(hidden states, keyword arguments) the family's base model hands each decoder layer for these inputs (its
         embedding for layer 0, masks and rotary embeddings for every layer), from its own forward with no layer run:
         what a caller that runs a range of layers itself (a pipeline stage) passes them."""
-        records = Records(layer_inputs=[])
-        self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, use_cache=False, attn_res_records=records)
-        return records.layer_inputs
+        base, inputs = self.model, []
+        layers = base.layers
+        base.layers = nn.ModuleList(LayerInputs(i, inputs) for i in range(len(layers)))
+        try:
+            base(input_ids=input_ids, inputs_embeds=inputs_embeds, use_cache=False)
+        finally:
+            base.layers = layers
+        return inputs
 
     def final_read(self, state: ResidualState) -> torch.Tensor:
         """The mixture the family's final norm normalises, from the state the last decoder layer returned."""
@@ -240,25 +245,16 @@ class AttnResPreTrainedModel(PreTrainedModel):
         return cache, use_cache, Records(reads=reads, depth=output_depth_weights, hidden=hidden, capture=tuple(capture))
 
     def _run(self, forward, records: Records | None, output_cls, **kwargs):
-        """`forward(**kwargs)` (the family's) with `records` handed to the layers and active for the final read, and
-        its output with the AttnRes fields added."""
-        if records is not None:
-            kwargs["attn_res_records"] = records
-        token = ACTIVE_RECORDS.set(records)
-        shared = ACTIVE_STREAM.set(self._shared_stream(records))
+        """`forward(**kwargs)` (the family's) with one residual object for its layers and its final read, and its
+        output with the AttnRes fields added."""
+        backward = torch.is_grad_enabled() or (self.is_activation_checkpointing and self.training)
+        residual = residual_for(self.config, self.aggregation_points(), backward=backward, records=records)
+        token = ACTIVE_RESIDUAL.set(residual)
         try:
-            output = forward(**kwargs)
+            output = forward(attn_res_residual=residual, **kwargs)
         finally:
-            ACTIVE_STREAM.reset(shared)
-            ACTIVE_RECORDS.reset(token)
+            ACTIVE_RESIDUAL.reset(token)
         return _with_records(output, records, output_cls, self.config.num_hidden_layers)
-
-    def _shared_stream(self, records: Records | None) -> SharedStream | None:
-        """One stream for the whole forward where nothing needs a stream per layer: no autograd (nor a checkpointed
-        replay), nothing recorded, not traced."""
-        if records is not None or self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return None
-        return SharedStream(self.config, self.aggregation_points())
 
     def _refuse_row_routing(self, points) -> None:
         """PEFT's mixed-adapter batches (`adapter_names=[...]`) route each row through its adapter by a hook on each

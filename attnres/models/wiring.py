@@ -3,16 +3,18 @@
 The family's own base model drives the layers (its embedding, scaling, masks, rotary embeddings and final norm stay
 the family's): it calls `hidden_states = layer(hidden_states, **kwargs)` layer after layer and hands the last output
 to its final norm. An AttnRes layer takes the residual state as that value and returns the new one (docs/design.md
-section 7): layer 0 takes the family's embedding (v_0) and every later layer the `ResidualState` of tensors that the
-layer before returned (Block: the bank and the partial sum; Full: every source; standard: the residual sum). Each layer
-reads only its own parameters, so whatever wraps a whole layer (activation checkpointing, FSDP2, a pipeline stage)
-works on it. The final read (`FinalRead`) turns the last state into the mixture the family's final norm normalises.
+section 7): layer 0 takes the family's embedding (v_0) and every later layer the state of tensors that the layer
+before returned (Block: the bank and the partial sum; Full: every source; standard: the residual sum). How the state
+is read and written is the residual object's (`attnres.layers.residuals`): the model's forward makes one for the whole
+forward and hands it to every layer as the keyword argument `attn_res_residual`; a layer run alone (a pipeline stage)
+makes its own. Each layer reads only its own parameters, so whatever wraps a whole layer (activation checkpointing,
+FSDP2, a pipeline stage) works on it. The final read (`FinalRead`) turns the last state into the mixture the family's
+final norm normalises.
 
 What a forward is asked to record (hidden states, depth weights, drafter captures) is output, not state: a `Records`
-collector, keyed by layer and point. The model's forward hands it to the layers as the keyword argument
-`attn_res_records` (only when something is recorded), so that activation checkpointing replays a layer with it: the
-recompute reads the same way (unfused where a mixture is kept) and overwrites its own entries. The final read, which
-is no checkpointed layer, finds it in `ACTIVE_RECORDS`.
+collector, keyed by layer and point, that the residual object's reads fill. Activation checkpointing replays a layer
+with the same residual object: the recompute reads the same way (unfused where a mixture is kept) and overwrites its
+own entries.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils.output_capturing import CompileableContextVar
 
-from attnres.layers import make_stream, resume_stream
+from attnres.layers import make_residual
 from attnres.layers.depth_attention import KeyNorm, NamedPoint, PseudoQuery
 from attnres.layers.kinds import STANDARD
-from attnres.layers.streams import ResidualState, ResidualStream
+from attnres.layers.residuals import PreNorm, Recorder, Residual, ResidualState
 from attnres.models.family import Sublayer, layer_parameters, run_sublayer
 
 # Kimi K3 names of the two aggregation points of a decoder layer, and of the final read on the base model
@@ -47,87 +49,33 @@ def add_points(owner: nn.Module, prefixes: tuple[str, ...], dim: int, eps: float
     return tuple(NamedPoint(owner, prefix) for prefix in prefixes)
 
 
-class FusedNorm:
-    """What a stream needs of a sublayer's plain RMSNorm PreNorm to fuse it: its weight and eps (and a call, for the
-    standard residual)."""
-
-    __slots__ = ("module", "eps")
-
-    def __init__(self, module: nn.Module, eps: float):
-        self.module, self.eps = module, eps
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.module.weight
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
-
-
 @dataclass
-class Records:
-    """What one forward records besides its output.
+class Records(Recorder):
+    """What one forward records besides its output (and `Recorder`'s depth weights and mixtures).
 
     reads: decoder layers whose residual read to keep (the pre-norm mixture its attention side forms; `num_layers`:
-    the final read), each as `mixtures_read[layer]`; depth: keep every point's depth weights and pre-norm mixture
-    (`weights[point]`, `mixtures[point]`); final_state: the `ResidualState` the final read consumed; final_normed: the
-    family's final norm output; layer_inputs: when a list, the layers run nothing and append the keyword arguments the
-    family hands each of them (`AttnResPreTrainedModel.layer_inputs`).
+    the final read), each as `mixtures_read[layer]`; hidden: the hidden-state entries to report (the model's output);
+    capture: the layers to capture; final_state: the state the final read consumed; final_normed: the family's final
+    norm output.
     """
 
     reads: frozenset[int] = frozenset()
-    depth: bool = False
-    hidden: tuple[int, ...] = ()  # the hidden-state entries to report (the model's output), and the layers to capture
+    hidden: tuple[int, ...] = ()
     capture: tuple[int, ...] = ()
     mixtures_read: dict[int, torch.Tensor] = field(default_factory=dict)
-    weights: dict[int, torch.Tensor] = field(default_factory=dict)
-    mixtures: dict[int, torch.Tensor] = field(default_factory=dict)
     final_state: ResidualState | None = None
     final_normed: torch.Tensor | None = None
-    layer_inputs: list[tuple[torch.Tensor | ResidualState, dict]] | None = None
 
-    def keep_depth(self, stream: ResidualStream, first_point: int) -> None:
-        for j, w in enumerate(stream.weights):
-            self.weights[first_point + j] = w
-        for j, m in enumerate(stream.mixtures):
-            self.mixtures[first_point + j] = m
+    def keeps(self, point: int) -> bool:
+        return point % 2 == 0 and point // 2 in self.reads
 
-
-# the records of the forward running now, for the final read (set by the model's forward, as transformers' own
-# output collector)
-ACTIVE_RECORDS = CompileableContextVar("attn_res_records")
+    def keep(self, point: int, mixture: torch.Tensor) -> None:
+        self.mixtures_read[point // 2] = mixture
 
 
-class SharedStream:
-    """The one residual stream of a forward without autograd (eval mode, nothing recorded, not traced), which every
-    decoder layer and the final read continue in turn: the model's forward makes it (`ACTIVE_STREAM`) and layer 0
-    starts it from the embedding. A decode step then pays no stream per layer, and a Block's two-phase scoring spans
-    its whole block. A layer continues it only from the very state it last handed on; any other caller (a pipeline
-    stage, a layer called alone) resumes a stream of its own from the state it is given, with the same numbers."""
-
-    __slots__ = ("config", "points", "stream", "state")
-
-    def __init__(self, config, points: list[NamedPoint] | None):
-        self.config, self.points = config, points
-        self.stream: ResidualStream | None = None
-        self.state: ResidualState | None = None  # what the stream last handed on
-
-    def take(self, layer_idx: int, hidden_states: torch.Tensor | ResidualState) -> ResidualStream | None:
-        """The stream, if `hidden_states` is where it stands (at layer 0: the embedding, which starts it)."""
-        if layer_idx == 0 and isinstance(hidden_states, torch.Tensor):
-            config = self.config
-            options = _stream_options(config, None, inference=True, training=False)
-            self.stream = make_stream(config.residual, hidden_states, config.num_hidden_layers, self.points, **options)
-            return self.stream
-        return self.stream if self.state is not None and hidden_states is self.state else None
-
-    def hand_on(self) -> ResidualState:
-        self.state = self.stream.state()
-        return self.state
-
-
-# the shared stream of the forward running now (set by the model's forward, where it applies)
-ACTIVE_STREAM = CompileableContextVar("attn_res_stream")
+# the residual object of the forward running now, for the final read (set by the model's forward, as transformers'
+# own output collector)
+ACTIVE_RESIDUAL = CompileableContextVar("attn_res_residual")
 
 
 # False inside `unchained_full_points()`: Full's points run one at a time in training too (never read when traced)
@@ -146,23 +94,25 @@ def unchained_full_points():
         _FULL_CHAIN.reset(token)
 
 
-def _stream_options(config, records: Records | None, inference: bool, training: bool) -> dict:
-    """`training`: the forward has a backward (or reentrant checkpointing will replay it with one). Full's points then
-    form a chain (`attnres.ops.chain`), except where traced (`torch.compile` takes the functional op) or within
-    `unchained_full_points()`."""
-    return dict(
+def residual_for(config, points, *, backward: bool, records: Records | None = None) -> Residual:
+    """The residual object of a forward (or of a layer or final read run alone) over `points`.
+
+    `backward`: the forward has a backward, or reentrant checkpointing will replay it with one: the autograd residuals
+    (Full's points a chain, except where traced, as `torch.compile` takes the functional op, or within
+    `unchained_full_points()`). Otherwise the inference backends: Block's fused bank (docs/design.md section 5) and
+    Full's direct kernel calls.
+    """
+    return make_residual(
+        config.residual,
+        config.num_hidden_layers,
+        points,
         block_size=config.attn_res_block_size,
         rescale_mixture=config.attn_res_rescale_mixture,
         two_phase=config.attn_res_two_phase,
-        record_weights=records is not None and records.depth,
-        inference=inference,
-        chain=training and not torch.compiler.is_compiling() and _FULL_CHAIN.get(),
+        record=records,
+        inference=not backward,
+        chain=backward and not torch.compiler.is_compiling() and _FULL_CHAIN.get(),
     )
-
-
-def _on_bank_path(state: ResidualState) -> bool:
-    """Whether the layers before took Block's fused bank path: only it leaves a sublayer output pending."""
-    return state.pending is not None
 
 
 class AttnResDecoderLayer(GradientCheckpointingLayer):
@@ -203,74 +153,45 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.sides = tuple(sides)
         self._family_norms = {side.norm: type(getattr(self, side.norm)) for side in sides}
 
-    def forward(
-        self, hidden_states: torch.Tensor | ResidualState, attn_res_records: Records | None = None, **kwargs
-    ) -> ResidualState:
+    def forward(self, hidden_states, attn_res_residual: Residual | None = None, **kwargs):
         """hidden_states: the residual state (layer 0: the family's embedding `[batch, seq, d]`; any later layer: the
-        `ResidualState` the layer before returned); attn_res_records: what the forward records; kwargs: the family
+        state the layer before returned); attn_res_residual: the forward's residual object; kwargs: the family
         layer's own (masks, rotary embeddings, cache). Returns the state after this layer's two sublayers."""
+        residual = attn_res_residual or self.own_residual()
+        attention, mlp = self.plan()
+        state = residual.enter(self.layer_idx, hidden_states)
+        x, state = residual.read(state, 2 * self.layer_idx, self.prenorm(attention))
+        state = residual.write(state, self.sublayer(attention, x, kwargs))
+        x, state = residual.read(state, 2 * self.layer_idx + 1, self.prenorm(mlp))
+        state = residual.write(state, self.sublayer(mlp, x, kwargs))
+        return passed_on_as_views(state, hidden_states)
+
+    def plan(self) -> tuple[Sublayer, Sublayer]:
         if self.sides is None:
             raise RuntimeError(
                 "attn_res_layer_plan: the model was built on the meta device from a config without a layer plan; call "
                 "model.plan_layers() once its weights are materialized"
             )
-        records = attn_res_records
-        if records is not None and records.layer_inputs is not None:
-            records.layer_inputs.append((hidden_states, kwargs))
-            return hidden_states
-        shared = ACTIVE_STREAM.get()
-        stream = None if shared is None else shared.take(self.layer_idx, hidden_states)
-        if stream is None:
-            shared, stream = None, self._stream(hidden_states, records)
-        for k, side in enumerate(self.sides):
-            if k == 0 and records is not None and self.layer_idx in records.reads:
-                mixture = stream.read()  # what this layer reads as its residual: reported, then normed
-                records.mixtures_read[self.layer_idx] = mixture
-                x = getattr(self, side.norm)(mixture)
-            else:
-                x = self._read(stream, side)
-            stream.write(run_sublayer(self, side, x, kwargs, self.family_args).to(x.dtype))
-        if records is not None and records.depth:
-            records.keep_depth(stream, 2 * self.layer_idx)
-        if shared is not None:
-            return shared.hand_on()
-        return _passed_on_as_views(stream.state(), hidden_states)
+        return self.sides
 
-    def _stream(self, state: torch.Tensor | ResidualState, records: Records | None) -> ResidualStream:
-        config = self.attn_res_config
-        i, num_layers = self.layer_idx, config.num_hidden_layers
-        points = {2 * i + k: point for k, point in enumerate(self.points)}
-        if i == 0:
-            if not isinstance(state, torch.Tensor):
-                raise TypeError(f"hidden_states: decoder layer 0 starts from the embedding tensor, got {type(state)}")
-            # no gradient and no backward to replay the layer (reentrant checkpointing runs it without one): the
-            # fused bank path (docs/design.md section 5); every later layer follows the state it is handed
-            inference = not self._training()
-            options = _stream_options(config, records, inference, not inference)
-            stream = make_stream(config.residual, state, num_layers, points, **options)
-            stream.end_point = 2  # this layer's points only
-            return stream
-        if not isinstance(state, ResidualState):
-            raise TypeError(
-                f"hidden_states: decoder layer {i} takes the ResidualState that layer {i - 1} returns, got "
-                f"{type(state).__name__} (an AttnRes layer runs inside an AttnRes model's forward)"
-            )
-        options = _stream_options(config, records, _on_bank_path(state), self._training())
-        return resume_stream(config.residual, state, i, num_layers, points, **options)
-
-    def _training(self) -> bool:
-        """Whether this forward has a backward, or reentrant checkpointing (which runs it without gradients) will
-        replay it with one: the replay must make the same state."""
-        return torch.is_grad_enabled() or (self.gradient_checkpointing and self.training)
-
-    def _read(self, stream: ResidualStream, side: Sublayer) -> torch.Tensor:
+    def prenorm(self, side: Sublayer) -> PreNorm:
+        """The side's PreNorm: fused into the read when it is the family's plain RMSNorm, the module the plan was read
+        with (a module swapped in for it runs as itself)."""
         norm = getattr(self, side.norm)
-        if side.fused_eps is not None and type(norm) is self._family_norms[side.norm]:
-            return stream.read(FusedNorm(norm, side.fused_eps))
-        return norm(stream.read())  # the family's own norm on the mixture (or a module swapped in for it)
+        return PreNorm(norm, side.fused_eps if type(norm) is self._family_norms[side.norm] else None)
+
+    def sublayer(self, side: Sublayer, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """What the family's sublayer adds to its residual, for the normed input `x`."""
+        return run_sublayer(self, side, x, kwargs, self.family_args).to(x.dtype)
+
+    def own_residual(self) -> Residual:
+        """The residual object of this layer run outside a model's forward (a pipeline stage): over its own points."""
+        points = {2 * self.layer_idx + k: point for k, point in enumerate(self.points)}
+        backward = torch.is_grad_enabled() or (self.gradient_checkpointing and self.training)
+        return residual_for(self.attn_res_config, points, backward=backward)
 
 
-def _passed_on_as_views(state: ResidualState, given: torch.Tensor | ResidualState) -> ResidualState:
+def passed_on_as_views(state: ResidualState, given) -> ResidualState:
     """`state` with every tensor this layer took and hands on unchanged (Block's earlier bank rows, Full's earlier
     sources) replaced by a view of it: each layer's outputs are then its own autograd nodes, whose gradients are
     complete when the backward reaches this layer. Hooks on a layer's outputs fire then (FSDP2 gathers the layer's
@@ -288,44 +209,48 @@ def _passed_on_as_views(state: ResidualState, given: torch.Tensor | ResidualStat
     return state._replace(rows=tuple(own(t) for t in state.rows), head=own(state.head))
 
 
+class LayerInputs(nn.Module):
+    """Stands in for decoder layer `layer_idx` while the family's base model hands out the layers' inputs
+    (`AttnResPreTrainedModel.layer_inputs`): appends (hidden states, keyword arguments) to `inputs` and runs nothing."""
+
+    def __init__(self, layer_idx: int, inputs: list):
+        super().__init__()
+        self.layer_idx, self.inputs = layer_idx, inputs
+
+    def forward(self, hidden_states, **kwargs):
+        self.inputs.append((hidden_states, kwargs))
+        return hidden_states
+
+
 class FinalRead:
-    """The read before the family's final norm (a forward pre-hook on it): the last `ResidualState` in, the mixture
-    over every source out (for "standard": the residual sum). `points`: the final read's point on the base model (none
-    for "standard"), which looks its parameters up by name at every call."""
+    """The read before the family's final norm (a forward pre-hook on it): the last state in, the mixture over every
+    source out (for "standard": the residual sum). `points`: the final read's point on the base model (none for
+    "standard"), which looks its parameters up by name at every call."""
 
     def __init__(self, config, points: tuple[NamedPoint, ...]):
         self.config, self.points = config, points
 
     def __call__(self, norm: nn.Module, args: tuple):
-        state = args[0]
-        if not isinstance(state, ResidualState):
+        if isinstance(args[0], torch.Tensor):
             return None  # a tensor already (a pipeline stage made the read itself)
-        return (self.read(state), *args[1:])
+        return (self.read(args[0]), *args[1:])
 
     @staticmethod
     def after(norm: nn.Module, args: tuple, output: torch.Tensor) -> None:
         """A forward hook on the final norm: keeps its output when the forward records hidden states."""
-        records = ACTIVE_RECORDS.get()
+        residual = ACTIVE_RESIDUAL.get()
+        records = None if residual is None else residual.record
         if records is not None and records.hidden:
             records.final_normed = output
 
-    def read(self, state: ResidualState) -> torch.Tensor:
-        shared = ACTIVE_STREAM.get()
-        if shared is not None and shared.state is not None and state is shared.state:
-            return shared.stream.read()
-        config, records = self.config, ACTIVE_RECORDS.get()
-        L = config.num_hidden_layers
-        points = {2 * L: point for point in self.points}
-        options = _stream_options(config, records, _on_bank_path(state), torch.is_grad_enabled())
-        stream = resume_stream(config.residual, state, L, L, points, **options)
-        final = stream.read()
-        if records is not None:
-            records.final_state = state
-            if L in records.reads:
-                records.mixtures_read[L] = final
-            if records.depth:
-                records.keep_depth(stream, 2 * L)
-        return final
+    def read(self, state) -> torch.Tensor:
+        L = self.config.num_hidden_layers
+        residual = ACTIVE_RESIDUAL.get()
+        if residual is None:
+            residual = residual_for(self.config, {2 * L: p for p in self.points}, backward=torch.is_grad_enabled())
+        if residual.record is not None:
+            residual.record.final_state = state
+        return residual.read(state, 2 * L)[0]
 
 
 def flat_tensor_checkpoint(checkpoint_func):

@@ -177,5 +177,5 @@ def validated(check: Callable, kernel: Callable) -> Callable:
         check(*args)
         return kernel(*args)
 
-    run.kernel = kernel  # for a caller that has checked the arguments it keeps passing (`BankStream`)
+    run.kernel = kernel  # for a caller that has checked the arguments it keeps passing (`attnres.layers.bank.BlockBank`)
     return run

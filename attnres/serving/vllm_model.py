@@ -1,4 +1,4 @@
-"""AttnResForCausalLM inside vLLM: the family's own vLLM model, its decoder layers' residual path an AttnRes stream.
+"""AttnResForCausalLM inside vLLM: the family's own vLLM model, its decoder layers' residual path AttnRes.
 
 The model is built as vLLM builds the family (`LlamaForCausalLM`, `Qwen3MoeForCausalLM`, ...: its paged attention
 with the KV cache and prefix caching, its fused QKV and gate-up projections, MoE, rotary embeddings, norms and logits
@@ -7,9 +7,9 @@ model; the AttnRes pseudo-queries and key norms are added on its decoder layers 
 names, which that loader then fills like any other parameter.
 
 Only the forward is ours. vLLM hands the model one flattened batch of tokens (prefill chunks and decode tokens of
-every scheduled sequence together) and the depth aggregation is per token, so one residual stream serves the whole
-batch: Block takes the fused bank path (`attnres.layers.bank_stream`, one `[tokens, NB, d]` bank, no stacked
-sources), Full attends over its sources with one direct kernel call per point (`attnres.layers.full_inference_stream`). Each
+every scheduled sequence together) and the depth aggregation is per token, so one residual state serves the whole
+batch: Block takes the fused bank (`attnres.layers.bank`, one `[tokens, NB, d]` bank, no stacked sources), Full
+attends over its sources with one direct kernel call per point (`attnres.layers.full_inference`). Each
 sublayer runs as the saved layer plan says (PreNorm, body, post-body norms, residual scale;
 `attnres.models.family.Sublayer`), on the vLLM layer's children of the same names.
 """
@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnres.layers import STANDARD, make_stream
+from attnres.layers import STANDARD, PreNorm, make_residual
 from attnres.models.family import Sublayer
 from attnres.models.modeling_attnres import key_norm_eps
-from attnres.models.wiring import OUTPUT_POINT, SIDE_NAMES, FusedNorm, add_points
+from attnres.models.wiring import OUTPUT_POINT, SIDE_NAMES, add_points
 from attnres.serving.checks import family_architecture
 
 # class attributes of a family's vLLM model that its weight loader and LoRA support read from the instance
@@ -74,19 +74,21 @@ class AttnResForCausalLM(nn.Module):
             raise NotImplementedError("pipeline parallelism: AttnRes models are served on a single pipeline stage")
         base, config = self.model, self.config
         hidden = base.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        stream = self._stream(hidden)
-        for layer in base.layers:
-            for k, side in enumerate(self.sides):  # the plan's first side is the attention
-                x = _read(stream, layer, side)
-                stream.write(_run_sublayer(layer, side, x, positions if k == 0 else None))
-        return base.norm(stream.read())
+        residual = self._residual()
+        state = residual.start(hidden)
+        for i, layer in enumerate(base.layers):
+            attention, mlp = self.sides
+            x, state = residual.read(state, 2 * i, _prenorm(layer, attention))
+            state = residual.write(state, _run_sublayer(layer, attention, x, positions))
+            x, state = residual.read(state, 2 * i + 1, _prenorm(layer, mlp))
+            state = residual.write(state, _run_sublayer(layer, mlp, x, None))
+        return base.norm(residual.read(state, 2 * config.num_hidden_layers)[0])
 
-    def _stream(self, hidden: torch.Tensor):
-        """The residual stream of one forward: Block's fused bank path, Full's direct kernel calls."""
+    def _residual(self):
+        """The residual object of one forward: Block's fused bank, Full's direct kernel calls."""
         config = self.config
-        return make_stream(
+        return make_residual(
             config.residual,
-            hidden,
             config.num_hidden_layers,
             self.points,
             block_size=config.attn_res_block_size,
@@ -102,13 +104,10 @@ class AttnResForCausalLM(nn.Module):
         return self._family_cls.load_weights(self, weights)
 
 
-def _read(stream, layer: nn.Module, side: Sublayer) -> torch.Tensor:
-    """The sublayer's normed input: the family's plain RMSNorm fused into the aggregation, any other norm (Gemma's
-    1 + w) applied to the mixture as the vLLM layer's own module."""
-    norm = getattr(layer, side.norm)
-    if side.fused_eps is not None:
-        return stream.read(FusedNorm(norm, side.fused_eps))
-    return norm(stream.read())
+def _prenorm(layer: nn.Module, side: Sublayer) -> PreNorm:
+    """The side's PreNorm: the family's plain RMSNorm fused into the aggregation, any other norm (Gemma's 1 + w) the
+    vLLM layer's own module applied to the mixture."""
+    return PreNorm(getattr(layer, side.norm), side.fused_eps)
 
 
 def _run_sublayer(layer: nn.Module, side: Sublayer, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:

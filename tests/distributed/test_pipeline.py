@@ -312,7 +312,7 @@ def test_chained_chunks_compute_the_models_logits_in_one_process(residual, block
 
 def test_a_stream_exports_its_state_only_between_layers_and_resumes_only_fresh():
     from attnres.layers import make_stream
-    from attnres.layers.streams import ResidualState
+    from attnres.layers.residuals import ResidualState
 
     model = build_model(Case(2, "block", 2, "1f1b", 2))
     hidden = torch.randn(1, 2, DIM)

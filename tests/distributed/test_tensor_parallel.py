@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from attnres.distributed import apply_fsdp, parallelize_tensor
-from attnres.layers.streams import ResidualState
+from attnres.layers.bank import BankState
+from attnres.layers.residuals import ResidualState
 from attnres.models import AttnResConfig, AttnResForCausalLM
 from tests.distributed.workers import run_ranks
 from tests.models import TINY, off_init_
@@ -42,10 +43,10 @@ def _model(case: str, **changes) -> AttnResForCausalLM:
     return model
 
 
-def _rows(model, state: ResidualState) -> list[torch.Tensor]:
+def _rows(model, state: ResidualState | BankState) -> list[torch.Tensor]:
     """The residual state the final read consumed, each `[batch, tokens, hidden]` (the inference bank: its rows)."""
-    if model.config.residual == "block" and not torch.is_grad_enabled():  # one [tokens, NB, hidden] bank
-        return list(state.rows[0].unflatten(0, state.head.shape[:2]).unbind(2))
+    if isinstance(state, BankState):  # one [tokens, NB, hidden] bank
+        return list(state.bank.unflatten(0, state.shape[:2]).unbind(2))
     return [*state.rows, *([] if state.head is None else [state.head])]
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnres.layers import streams
-from attnres.layers.streams import HELD_SLACK_PER_POINT, held_bytes_per_token, two_phase_pays
+from attnres.layers import residuals
+from attnres.layers.residuals import HELD_SLACK_PER_POINT, held_bytes_per_token, two_phase_pays
 from attnres.models import AttnResConfig, AttnResForCausalLM
 from attnres.ops import SoftmaxStats, depth_stats, merge_prefix
 from tests import TOL, assert_all_close, leaves
@@ -63,7 +63,7 @@ def test_the_decision_holds_two_phase_to_the_bound(rows, points, monkeypatch):
     assert two <= held_bytes_per_token(rows, points, two_phase=False) + HELD_SLACK_PER_POINT * points
     assert two_phase_pays(8, 24, 2, training=True)
     real = held_bytes_per_token
-    monkeypatch.setattr(streams, "held_bytes_per_token", lambda r, p, two_phase: real(r, p, two_phase) + two_phase * 4 * D * p)
+    monkeypatch.setattr(residuals, "held_bytes_per_token", lambda r, p, two_phase: real(r, p, two_phase) + two_phase * 4 * D * p)
     assert not two_phase_pays(8, 24, 2, training=True) and two_phase_pays(8, 24, 2)
 
 

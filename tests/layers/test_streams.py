@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-import attnres.layers.streams
+import attnres.layers.residuals
 from attnres import DepthAttention, RMSNorm, make_stream, naive_depth_attention
 from tests import Tol, assert_all_close, error_ratios
 
@@ -148,13 +148,14 @@ def test_bank_rows_hold_block_sums_written_at_write_layers(
     toy = ToyStack(num_layers)
     stream = make_stream("block", toy.embedding, num_layers, toy.points, block_size=block_size, two_phase=two_phase)
     rows = []
-    _, outputs = toy.drive(stream, after_read=lambda k, s: rows.append(len(s.bank)))
+    _, outputs = toy.drive(stream, after_read=lambda k, s: rows.append(len(s.current.rows)))
     assert rows == rows_after_read
-    assert stream.num_bank_rows == len(stream.bank) == 1 + len(summaries)
-    assert stream.bank[0] is toy.embedding
-    for row, members in zip(stream.bank[1:], summaries):
+    bank = stream.state().rows
+    assert stream.residual.num_bank_rows == len(bank) == 1 + len(summaries)
+    assert bank[0] is toy.embedding
+    for row, members in zip(bank[1:], summaries):
         assert torch.equal(row, block_sum([outputs[k] for k in members]))  # bit-exact
-    assert torch.equal(stream.prefix, block_sum([outputs[k] for k in last_prefix]))
+    assert torch.equal(stream.state().head, block_sum([outputs[k] for k in last_prefix]))
 
 
 REFERENCE_CASES = [
@@ -193,9 +194,9 @@ def test_two_phase_matches_one_shot_values_and_gradients(num_layers, block_size,
     """two_phase True (phase 1 wherever a block has several points), False and None (the stream's choice) agree."""
     toy = ToyStack(num_layers)
     phase1_calls = []
-    depth_stats = attnres.layers.streams.depth_stats
+    depth_stats = attnres.layers.residuals.depth_stats
     monkeypatch.setattr(
-        attnres.layers.streams, "depth_stats", lambda *a, **k: phase1_calls.append(1) or depth_stats(*a, **k)
+        attnres.layers.residuals, "depth_stats", lambda *a, **k: phase1_calls.append(1) or depth_stats(*a, **k)
     )
     grads_out = [torch.randn(T, D) for _ in range(2 * num_layers + 1)]
 

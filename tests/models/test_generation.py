@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache, PreTrainedTokenizerFast, pipeline
 
-from attnres.layers import bank_stream
+from attnres.layers import bank
 from attnres.models import AttnResForCausalLM
 
 from .test_modeling import randomize_attnres_
@@ -61,10 +61,9 @@ def test_greedy_with_cache_equals_greedy_without(tiny_config, residual, block_si
 def test_cached_decode_step_matches_a_full_forward(tiny_config, batch, monkeypatch):
     """A decode step (T = batch tokens) through the fused bank path gives the last-token logits of a full forward."""
     made = []
-    init = bank_stream.BankStream.__init__
-    # a forward's bank starts at layer 0 from the embedding (later layers resume from the state it hands on)
-    started = lambda self, emb, *a, **k: (emb is not None and made.append(emb.shape)) or init(self, emb, *a, **k)
-    monkeypatch.setattr(bank_stream.BankStream, "__init__", started)
+    start = bank.BlockBank.start
+    # a forward's bank starts at layer 0 from the embedding (later layers read the state it hands on)
+    monkeypatch.setattr(bank.BlockBank, "start", lambda self, emb: made.append(emb.shape) or start(self, emb))
     model = random_model(tiny_config, "block", 3)
     ids = torch.randint(0, 64, (batch, 9))
     with torch.no_grad():
@@ -72,7 +71,7 @@ def test_cached_decode_step_matches_a_full_forward(tiny_config, batch, monkeypat
         step = model(ids[:, 6:7], cache=cache).logits[:, -1]
         chunk = model(ids[:, 7:], cache=cache).logits  # several new tokens after a cache: the offset causal mask
         full = model(ids).logits
-    assert made[1] == (batch, 1, 32)  # the decode step went through the bank stream, one row per sequence
+    assert made[1] == (batch, 1, 32)  # the decode step went through the bank, one row per sequence
     assert cache.get_seq_length() == 9
     assert rel_err(step, full[:, 6]) < 1e-5
     assert rel_err(chunk, full[:, 7:]) < 1e-5

@@ -241,7 +241,7 @@ def test_dispatch_validates_before_mutating():
 def test_cpu_takes_two_phase_at_inference_only():
     """Measured (docs/bench_streams*.json): with the fused bank_merge two-phase inference pays on CPU; two-phase
     training (phase 2's backward in torch ops) does not, so the CPU backend refuses it there."""
-    from attnres.layers.streams import backend_takes_two_phase
+    from attnres.layers.residuals import backend_takes_two_phase
 
     assert backend_takes_two_phase("cpu", torch.float32, 512, 8, training=False)
     assert not backend_takes_two_phase("cpu", torch.float32, 512, 8, training=True)

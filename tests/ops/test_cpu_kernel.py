@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import attnres
 from attnres.layers import DepthAttention, make_stream
-from attnres.layers.streams import two_phase_pays
+from attnres.layers.residuals import two_phase_pays
 from attnres.ops import backends, cpu
 from attnres.ops.cpu import build
 from attnres.ops.depth_attention import torch_depth_attention_bwd, torch_depth_attention_fwd
@@ -395,10 +395,10 @@ def test_block_streams_train_one_shot_on_cpu(monkeypatch):
     assert two_phase_pays(rows, points, row.element_size())
     assert two_phase_pays(rows, points, row.element_size(), training=True)
     monkeypatch.setenv(backends.BACKEND_ENV, "auto")
-    assert not stream._use_two_phase(trained_row, rows, points)
-    assert stream._use_two_phase(row, rows, points)
+    assert not stream.residual.use_two_phase(trained_row, rows, points)
+    assert stream.residual.use_two_phase(row, rows, points)
     monkeypatch.setenv(backends.BACKEND_ENV, "torch")
-    assert stream._use_two_phase(trained_row, rows, points)
+    assert stream.residual.use_two_phase(trained_row, rows, points)
 
 
 def test_disable_switch(monkeypatch):

@@ -1,10 +1,10 @@
-"""The inference bank stream follows the Block schedule and reproduces the training stream."""
+"""The inference bank follows the Block schedule and reproduces the autograd Block residual."""
 
 import pytest
 import torch
 
 from attnres.layers import DepthAttention, RMSNorm, make_stream
-from attnres.layers.bank_stream import BankStream
+from attnres.layers.bank import BlockBank
 
 
 def _stack(L, d, seed=0):
@@ -38,12 +38,13 @@ def test_bank_stream_bit_exact_with_training_stream(dtype, L, S):
     with torch.no_grad():
         train = make_stream("block", emb, L, points, block_size=S, two_phase=False)
         infer = make_stream("block", emb, L, points, block_size=S, two_phase=False, inference=True)
-        assert isinstance(infer, BankStream)
+        assert isinstance(infer.residual, BlockBank)
         a, b = _run(train, norms, mats), _run(infer, norms, mats)
     assert torch.equal(a, b)
-    assert infer.nvb == len(train.bank) == -(-L // S)
-    for j, row in enumerate(train.bank):
-        assert torch.equal(infer.bank[:, j], row.reshape(-1, d))
+    rows, bank = train.state().rows, infer.state().bank
+    assert infer.residual.filled(2 * L) == len(rows) == bank.shape[1] == -(-L // S)
+    for j, row in enumerate(rows):
+        assert torch.equal(bank[:, j], row.reshape(-1, d))
 
 
 @pytest.mark.parametrize("L,S", [(6, 2), (8, 3), (9, 9)], ids=lambda v: str(v))
@@ -64,19 +65,20 @@ def test_bank_stream_two_phase_matches_one_shot(L, S, rescale):
 def test_phase_one_statistics_stay_within_the_bank_bytes(L, S, dtype, monkeypatch):
     """Phase 1 scores a block's points in groups whose fp32 statistics u take no more than the bank (at least two
     points), and the groups together serve every point of the block that two-phase serves."""
-    import attnres.layers.bank_stream as bank_stream
+    import attnres.layers.bank as bank_module
 
     d, tokens = 16, 6
     points, norms, mats = _stack(L, d, seed=4)
     emb = torch.randn(tokens, d).to(dtype)
     groups = []
-    real = bank_stream.depth_stats_fwd
-    monkeypatch.setattr(bank_stream, "depth_stats_fwd", lambda rows, cs, eps: groups.append(len(cs)) or real(rows, cs, eps))
+    real = bank_module.depth_stats_fwd
+    monkeypatch.setattr(bank_module, "depth_stats_fwd", lambda rows, cs, eps: groups.append(len(cs)) or real(rows, cs, eps))
     with torch.no_grad():
         ref = _run(make_stream("block", emb, L, points, block_size=S, two_phase=False), norms, mats)
         stream = make_stream("block", emb, L, points, block_size=S, two_phase=True, inference=True)
         out = _run(stream, norms, mats)
-    limit = max(2, stream.bank.numel() * stream.bank.element_size() // (4 * tokens * d))
+    bank = stream.state().bank
+    limit = max(2, bank.numel() * bank.element_size() // (4 * tokens * d))
     assert groups and max(groups) <= limit < 2 * L - 1, (groups, limit)
     blocks = -(-L // S)
     points_after_writes = 2 * L + 1 - blocks
@@ -114,8 +116,8 @@ def test_folded_query_is_computed_from_the_weights_at_every_read():
     assert torch.equal(points[4].folded_query(), 2 * c)  # a fresh tensor at every call, never one held over
 
 
-def test_a_streams_first_point_checks_what_the_kernel_takes():
-    """The stream checks the arguments of its first fused call (later calls pass its own buffers and the same
+def test_the_first_point_checks_what_the_kernel_takes():
+    """The bank checks the arguments of its first fused call (later calls pass the forward's own buffers and the same
     weights): a PreNorm gain of the wrong width is refused by name before anything is written."""
     L, S, d = 2, 1, 8
     points, norms, mats = _stack(L, d, seed=4)

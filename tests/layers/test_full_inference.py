@@ -1,5 +1,5 @@
-"""Full's inference stream (direct kernel calls: what transformers' eval forward and vLLM run) reads exactly what
-`FullStream` reads through the operator, at every point, fused PreNorm or not, on the compiled CPU kernel and on the
+"""Full's inference backend (direct kernel calls: what transformers' eval forward and vLLM run) reads exactly what
+`FullResidual` reads through the operator, at every point, fused PreNorm or not, on the compiled CPU kernel and on the
 torch path."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from attnres.layers import make_stream
 from attnres.layers.depth_attention import DepthAttention, RMSNorm
 from attnres.ops.backends import BACKEND_ENV, last_backend
-from attnres.layers.full_inference_stream import FullInferenceStream
+from attnres.layers.full_inference import FullInference
 
 LAYERS, D = 3, 64
 
@@ -51,7 +51,9 @@ def test_reads_equal_full_stream_bit_for_bit(monkeypatch, backend, dtype, rescal
             norm.weight.copy_(1 + 0.3 * torch.randn(D, generator=gen))
     pts = points()
     want = reads(make_stream("full", embedding, LAYERS, pts, rescale_mixture=rescale), norms, outputs)
-    got = reads(FullInferenceStream(embedding, LAYERS, pts, rescale_mixture=rescale), norms, outputs)
+    got_stream = make_stream("full", embedding, LAYERS, pts, rescale_mixture=rescale, inference=True)
+    assert isinstance(got_stream.residual, FullInference)
+    got = reads(got_stream, norms, outputs)
     assert last_backend() == ("cpu" if backend == "auto" else "torch")
     assert len(got) == len(want) == 2 * LAYERS + 1
     for k, (a, b) in enumerate(zip(got, want)):

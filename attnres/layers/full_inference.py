@@ -1,0 +1,42 @@
+"""Full AttnRes at inference: each point one direct call of the backend's one-shot forward kernel.
+
+`FullResidual` reads through `attnres.ops.depth_attention`, the differentiable operator: argument checks, a custom-op
+dispatch and the autograd wiring at every point, which at decode (a few tokens per step) cost more than the kernel.
+Here the backend's forward is bound at the first read and each point calls the kernel directly on the same sources,
+with its query folded from the weights as they are now: the mixture is the operator's bit for bit, and the state is
+`FullResidual`'s.
+
+The sources stay the sublayer outputs themselves: copying them into one preallocated `[tokens, 2L + 1, d]` buffer
+(with `attnres.ops.bank.bank_aggregate`, the copy fused into each point's call) measured no faster at decode and up
+to twice as slow at prefill (2048 tokens, d = 512, 8 layers, fp32), where the fresh buffer's pages cost more than its
+contiguous reads save.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnres.layers.depth_attention import local_weight
+from attnres.layers.residuals import FullResidual
+from attnres.ops.backends import select_backend
+from attnres.ops.depth_attention import accumulator_dtype, torch_depth_attention_fwd
+
+
+class FullInference(FullResidual):
+    """`FullResidual` without autograd: the same schedule and sources, each read one direct kernel call."""
+
+    def __init__(self, num_layers, points, *, rescale_mixture=False, record=None):
+        super().__init__(num_layers, points, rescale_mixture=rescale_mixture, record=record)
+        self._forward = None
+
+    def _read(self, state, point, norm):
+        sources, at = state.rows, self.points[point]
+        num_sources = len(sources)
+        if self._forward is None:
+            self._acc = accumulator_dtype(sources[0].dtype)
+            self._forward = select_backend(sources[0]).fwd or torch_depth_attention_fwd
+        with torch.no_grad():
+            out_w = None if norm is None else local_weight(norm.weight)
+            out_eps = at.eps if norm is None else self._out_eps(norm, num_sources)
+            mix = self._forward(sources, at.folded_query(self._acc), out_w, at.eps, out_eps)[0]
+        return (mix if norm is not None else self._finish_unfused(mix, num_sources)), state

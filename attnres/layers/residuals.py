@@ -1,0 +1,370 @@
+"""The residual path as a value: one residual object per kind reads and writes an immutable state.
+
+A decoder layer computes, with `residual` the residual object of its forward (docs/design.md section 7):
+
+    x, state = residual.read(state, 2 * i, prenorm_of_attention);  state = residual.write(state, attention(x))
+    x, state = residual.read(state, 2 * i + 1, prenorm_of_mlp);    state = residual.write(state, mlp(x))
+
+`start(embedding)` makes the state layer 0 reads, and the final read is `read(state, 2L, final_norm)`. A read is
+aggregation point `point` of the schedule (2 * layer + 0 attention | 1 MLP; 2L the final read) and returns the
+sublayer's normed input (or, with no norm, the pre-norm mixture) and the state the next call takes; nothing in the
+residual object changes between calls, so a layer that activation checkpointing replays reads the same way.
+
+Schedules (docs/design.md section 3; `points` maps each point index the object reads to its `DepthAttention`):
+- standard: h = v_0 + ... + v_{l-1}.
+- full: point l attends over [v_0 .. v_{l-1}].
+- block (Kimi K3 timing, `block_size` S in decoder layers): layer i is a write layer when i % S == 0; its attention
+  point attends over the bank plus the prefix (the block that just ended; for layer 0 the embedding), then the
+  prefix becomes a bank row and a new prefix starts. Every other point attends over the bank plus the prefix.
+
+These are the autograd residuals, for training and for any forward that records. Inference has its own backends of
+the same reads and writes, chosen by `make_residual(inference=True)`: Block's fused bank (`attnres.layers.bank`) and
+Full's direct kernel calls (`attnres.layers.full_inference`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from attnres.layers.depth_attention import DepthAttention, local_weight
+from attnres.ops import depth_stats, merge_prefix
+from attnres.ops.backends import TORCH, backend_for
+from attnres.ops.two_phase import SoftmaxStats
+
+
+class ResidualState(NamedTuple):
+    """The residual state a read or write takes and returns; between two decoder layers, what layer i hands layer
+    i + 1 (docs/design.md section 7).
+
+    rows: Block: the completed block summaries (the bank); Full: every source so far; standard: none.
+    head: standard: the residual sum; Block: the current block's partial sum (the prefix; None right after a write
+        point, until the next write starts it); Full: None.
+    carrier: Full in training: the last point's carrier (`attnres.ops.chain`), through which the next points hand the
+        gradients of the earlier sources back. Optional: a state rebuilt without it (a pipeline stage's input) starts
+        a new chain, with the same gradients.
+    stats: Block: the phase-1 statistics of the points `range(start, stop)` over `rows`, as `(start, stop,
+        SoftmaxStats)`, from the first of them to the last (docs/design.md section 4); never handed to the next layer.
+    """
+
+    rows: tuple[torch.Tensor, ...] = ()
+    head: torch.Tensor | None = None
+    carrier: torch.Tensor | None = None
+    stats: tuple[int, int, SoftmaxStats] | None = None
+
+
+class PreNorm(NamedTuple):
+    """A sublayer's PreNorm as a read takes it: the module, and the eps at which a read may fuse its weight into the
+    aggregation (None: the module itself runs on the mixture, e.g. one swapped in for the family's plain RMSNorm)."""
+
+    module: nn.Module
+    eps: float | None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+@dataclass
+class Recorder:
+    """What the reads of one forward keep besides their outputs. `depth`: every read's depth weights `[R, ...]` and
+    pre-norm mixture `[..., d]` (`weights[point]`, `mixtures[point]`), read one-shot and unfused for it; `keeps` and
+    `keep`: the points whose pre-norm mixture is kept as such (read unfused, then normed apart)."""
+
+    depth: bool = False
+    weights: dict[int, torch.Tensor] = field(default_factory=dict)
+    mixtures: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def keeps(self, point: int) -> bool:
+        return False
+
+    def keep(self, point: int, mixture: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class Residual:
+    """What every residual kind shares: the schedule, the fused PreNorm, the mixture rescale and the records.
+
+    `points`: the points this object reads, as a mapping from point index (a decoder layer's own two, or 2L) or as
+    the sequence of all 2L + 1; `record`: what the reads keep (`Recorder`), or None.
+    """
+
+    State = ResidualState
+
+    def __init__(
+        self,
+        num_layers: int,
+        points: Sequence[DepthAttention] | Mapping[int, DepthAttention] | None = None,
+        *,
+        rescale_mixture: bool = False,
+        record: Recorder | None = None,
+    ):
+        if num_layers < 1:
+            raise ValueError(f"num_layers: expected at least one decoder layer, got {num_layers}")
+        self.num_layers = num_layers
+        self.points = points
+        self.rescale_mixture = rescale_mixture
+        self.record = record
+        self.depth = record is not None and record.depth
+
+    def start(self, embedding: torch.Tensor) -> ResidualState:
+        """The state layer 0 reads: the embedding v_0."""
+        raise NotImplementedError
+
+    def read(self, state: ResidualState, point: int, norm: PreNorm | nn.Module | None = None):
+        """Aggregation point `point` on `state`: (the sublayer's input, the state the write takes). `norm`: the
+        sublayer's PreNorm, fused into the read where it can be (anything with a `weight` and an `eps`)."""
+        keep = self.record is not None and self.record.keeps(point)
+        fused = norm if norm is not None and norm.eps is not None and not keep else None
+        out, state = self._read(state, point, fused)
+        if keep:
+            self.record.keep(point, out)
+        if norm is not None and fused is None:
+            out = norm(out)
+        return out, state
+
+    def write(self, state: ResidualState, output: torch.Tensor) -> ResidualState:
+        """`state` with the sublayer output of the point last read added."""
+        raise NotImplementedError
+
+    def enter(self, layer: int, hidden_states) -> ResidualState:
+        """What decoder `layer` takes as its state: layer 0 starts from the family's embedding, every later layer
+        takes the state the layer before returned."""
+        if layer == 0:
+            if not isinstance(hidden_states, torch.Tensor):
+                raise TypeError(
+                    f"hidden_states: decoder layer 0 starts from the embedding tensor, got {type(hidden_states)}"
+                )
+            return self.start(hidden_states)
+        if not isinstance(hidden_states, self.State):
+            raise TypeError(
+                f"hidden_states: decoder layer {layer} takes the {self.State.__name__} that layer {layer - 1} "
+                f"returns, got {type(hidden_states).__name__} (an AttnRes layer runs inside an AttnRes model's forward)"
+            )
+        return hidden_states
+
+    def _read(self, state, point: int, norm) -> tuple[torch.Tensor, ResidualState]:
+        raise NotImplementedError
+
+    def _out_eps(self, norm, num_sources: int) -> float | None:
+        """The fused PreNorm's eps; with `rescale_mixture` the mixture is scaled by R, i.e. eps divided by R^2."""
+        if norm is None:
+            return None
+        return norm.eps / num_sources**2 if self.rescale_mixture else norm.eps
+
+    def _finish_unfused(self, mix: torch.Tensor, num_sources: int) -> torch.Tensor:
+        return mix * num_sources if self.rescale_mixture else mix
+
+    def _mix(self, point: int, sources: Sequence[torch.Tensor], norm) -> torch.Tensor:
+        """One-shot aggregation of `sources` at `point`, with the PreNorm fused when given."""
+        R, at = len(sources), self.points[point]
+        if self.depth:
+            mix, w = at(sources, return_weights=True)
+            self.record.weights[point] = w.detach()
+            self.record.mixtures[point] = self._finish_unfused(mix, R).detach()
+        out = at(sources, norm, out_eps=self._out_eps(norm, R))
+        return out if norm is not None else self._finish_unfused(out, R)
+
+
+class StandardResidual(Residual):
+    """The PreNorm baseline: the running sum of the embedding and every sublayer output."""
+
+    def start(self, embedding):
+        return ResidualState(head=embedding)
+
+    def _read(self, state, point, norm):
+        if self.depth:
+            self.record.mixtures[point] = state.head.detach()
+        return (state.head if norm is None else norm(state.head)), state
+
+    def write(self, state, output):
+        return state._replace(head=state.head + output)
+
+
+class FullResidual(Residual):
+    """Full AttnRes: every point attends over the embedding and every earlier sublayer output.
+
+    With `chain` (training, eager) the points form a chain (`attnres.ops.chain`): each source's gradient is summed in
+    place, once, instead of written by every later point and added up by autograd. Recording reads break the chain.
+    """
+
+    def __init__(self, num_layers, points, *, rescale_mixture=False, record=None, chain=False):
+        super().__init__(num_layers, points, rescale_mixture=rescale_mixture, record=record)
+        check_points(points, num_layers)
+        self.chain = chain and not self.depth
+
+    def start(self, embedding):
+        return ResidualState(rows=(embedding,))
+
+    def _read(self, state, point, norm):
+        sources = state.rows
+        if not self.chain:
+            return self._mix(point, sources, norm), state._replace(carrier=None)
+        R = len(sources)
+        carrier = state.carrier
+        out, carrier = self.points[point].chained(sources, carrier, norm, out_eps=self._out_eps(norm, R))
+        return (out if norm is not None else self._finish_unfused(out, R)), state._replace(carrier=carrier)
+
+    def write(self, state, output):
+        return state._replace(rows=(*state.rows, output))
+
+
+class BlockResidual(Residual):
+    """Block AttnRes with Kimi K3 timing: a bank of block summaries plus the running prefix of the current block.
+
+    With `two_phase` (default: whenever it saves reads, i.e. a decoder layer's two points share the bank and it has
+    several rows) the completed rows are scored once for both points (phase 1) and each point then merges in only its
+    own prefix (phase 2). Recording depth forces the one-shot path, whose weights it keeps.
+    """
+
+    def __init__(self, num_layers, points, block_size: int, *, rescale_mixture=False, record=None, two_phase=None):
+        super().__init__(num_layers, points, rescale_mixture=rescale_mixture, record=record)
+        check_points(points, num_layers)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size: expected a positive number of decoder layers, got {block_size!r}")
+        self.block_size = block_size
+        self.two_phase = two_phase
+
+    @property
+    def num_bank_rows(self) -> int:
+        """Rows the bank needs for the whole forward: ceil(num_layers / block_size)."""
+        return -(-self.num_layers // self.block_size)
+
+    def start(self, embedding):
+        return ResidualState(head=embedding)  # layer 0's attention point writes it as bank row 0
+
+    def is_write_point(self, point: int) -> bool:
+        """The attention-side read of a write layer (layer % block_size == 0)."""
+        return point < 2 * self.num_layers and point % 2 == 0 and (point // 2) % self.block_size == 0
+
+    def block_points(self, point: int) -> range:
+        """`point` and the later points of its block and its decoder layer: they share the bank as it stands, and a
+        layer reads only its own parameters (FSDP2 gathers them layer by layer; checkpointing replays one layer)."""
+        return range(point, min(self.block_end(point), 2 * (point // 2) + 2))
+
+    def block_end(self, point: int) -> int:
+        """The point after the last of `point`'s block."""
+        end = (point // 2 // self.block_size + 1) * self.block_size
+        return 2 * end if end < self.num_layers else 2 * self.num_layers + 1
+
+    def _read(self, state, point, norm):
+        rows, prefix, stats = state.rows, state.head, state.stats
+        if self.is_write_point(point):
+            # the prefix is the block that just ended: it becomes a bank row, sources unchanged
+            rows, prefix, stats = (*rows, prefix), None, None
+        sources = rows if prefix is None else (*rows, prefix)
+        if stats is None or not stats[0] <= point < stats[1]:
+            stats = self._score(rows, self.block_points(point)) if rows else None
+        state = ResidualState(rows=rows, head=prefix, stats=None if stats is None or point + 1 == stats[1] else stats)
+        if stats is None:
+            return self._mix(point, sources, norm), state
+        return self._merge_prefix(point, stats, rows, prefix, norm), state
+
+    def write(self, state, output):
+        return state._replace(head=output if state.head is None else state.head + output)
+
+    def use_two_phase(self, row: torch.Tensor, rows: int, points: int) -> bool:
+        """Phase 1 over `rows` bank rows like `row` for `points` points, or one-shot reads?"""
+        if self.depth or points < 2:
+            return False
+        if self.two_phase is not None:
+            return self.two_phase
+        training = torch.is_grad_enabled() and row.requires_grad
+        if not backend_takes_two_phase(row.device.type, row.dtype, row.shape[-1], max(rows, points), training):
+            return False
+        return two_phase_pays(rows, points, row.element_size(), training=training)
+
+    def _score(self, rows: tuple[torch.Tensor, ...], points: range) -> tuple[int, int, SoftmaxStats] | None:
+        """Phase 1, where it pays: every point of `points` against the completed rows, each row read once."""
+        if not self.use_two_phase(rows[0], len(rows), len(points)):
+            return None
+        at = [self.points[k] for k in points]
+        queries = torch.cat([local_weight(p.proj.weight) for p in at])
+        gains = torch.stack([local_weight(p.norm.weight) for p in at])
+        return points.start, points.stop, depth_stats(rows, queries, gains, eps=at[0].eps)
+
+    def _merge_prefix(self, point, stats, rows, prefix, norm) -> torch.Tensor:
+        """Phase 2: this point's phase-1 statistics, merged with its own prefix (none at the write point)."""
+        start, _, scored = stats
+        at, num_sources = self.points[point], len(rows) + (prefix is not None)
+        out = merge_prefix(
+            SoftmaxStats(*(s[point - start] for s in scored)),
+            prefix,
+            local_weight(at.proj.weight),
+            local_weight(at.norm.weight),
+            eps=at.eps,
+            out_norm_weight=None if norm is None else local_weight(norm.weight),
+            out_eps=at.eps if norm is None else self._out_eps(norm, num_sources),
+            dtype=rows[0].dtype,
+            sources=rows,  # the backward recomputes u from the rows: no [N, d] fp32 kept per point
+        )
+        return out if norm is not None else self._finish_unfused(out, num_sources)
+
+
+def backend_takes_two_phase(device_type: str, dtype: torch.dtype, d: int, stats_rows: int, training: bool) -> bool:
+    """False where the backend says two-phase never pays there (in `training`), or where it has a one-shot kernel but
+    no phase-1 kernel for `stats_rows` rows or queries (its kernel beats torch ops)."""
+    one_shot = backend_for(device_type, dtype, d)
+    phase1 = backend_for(device_type, dtype, d, stats_rows)
+    return (one_shot.two_phase_trains or not training) and not phase1.name == TORCH.name != one_shot.name
+
+
+# Traced, the first selection would probe (and build) the CPU kernel: a constant to torch.compile. This is what
+# `torch.compiler.assume_constant_result` does; calling it would import torch._dynamo (seconds) with `import attnres`.
+backend_takes_two_phase._dynamo_marked_constant = True
+
+
+# The bound two-phase keeps against one-shot, per token and point: two fp32 numbers (a test measures it)
+HELD_SLACK_PER_POINT = 8
+
+
+def two_phase_pays(rows: int, points: int, elem_size: int, training: bool = False) -> bool:
+    """Whether phase 1 + phase 2 over `rows` shared rows and `points` points moves fewer bytes than one-shot reads,
+    and holds no more for the backward. A model of what the kernels read and write, per token (and channel for moved
+    bytes, `elem_size` the rows' bytes per element; statistics are fp32); what both paths do alike is left out.
+
+    Moved, forward: one-shot reads at each point the rows and its prefix, P (R + 1) e; two-phase reads the rows once,
+    then each point writes and reads back its statistics u and reads its prefix, R e + P (8 + e).
+    Moved, backward (`training`): one-shot reads each point's sources twice more and writes their gradients,
+    3 P (R + 1) e; two-phase recomputes each point's u from the rows, writes it and moves it to the saved shift
+    (R e + 12), its phase 2 reads u and the prefix and writes du and dx (8 + 2 e), and phase 1 reads the du (4 P),
+    the rows twice and writes their gradients (3 R e).
+    Held (`held_bytes_per_token`): what autograd keeps beyond the rows and prefixes (activations either way).
+    """
+    e, R, P = elem_size, rows, points
+    one_shot = P * (R + 1) * e
+    two_phase = R * e + P * (8 + e)
+    if training:
+        one_shot += 3 * P * (R + 1) * e
+        two_phase += P * (R * e + 12 + 8 + 2 * e + 4) + 3 * R * e
+        if held_bytes_per_token(R, P, True) > held_bytes_per_token(R, P, False) + HELD_SLACK_PER_POINT * P:
+            return False
+    return two_phase < one_shot
+
+
+def held_bytes_per_token(rows: int, points: int, two_phase: bool) -> int:
+    """Bytes per token that the aggregation keeps for the backward of a block's `points` points over `rows` shared
+    rows (one more source, the prefix, at each point), beyond the sources themselves, which the residual path holds
+    anyway: one-shot, the weights and key rstd of every source at every point (fp32); two-phase, phase 1's shift m,
+    sum z and the rows' key rstd; phase 2 keeps no u (`merge_prefix(sources=...)` recomputes it)."""
+    if two_phase:
+        return 4 * (2 * points + rows)
+    return 8 * points * (rows + 1)
+
+
+def check_points(points: Sequence[DepthAttention] | Mapping[int, DepthAttention] | None, num_layers: int) -> None:
+    if isinstance(points, Mapping):  # a resumed stream: only the points it reads
+        return
+    count = None if points is None else len(points)
+    if count != 2 * num_layers + 1:
+        raise ValueError(
+            f"points: expected 2 * num_layers + 1 = {2 * num_layers + 1} aggregation points "
+            f"(attention and MLP side of each layer, then the final read), got {count}"
+        )
