@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from attnres.layers.depth_attention import local_weight
+from attnres.layers.depth_attention import fold_queries, local_weight
 from attnres.layers.residuals import BlockResidual
 from attnres.ops.backends import select_backend
 from attnres.ops.bank import bank_aggregate, bank_aggregate_op, bank_merge, bank_merge_op, bank_rows
@@ -56,8 +56,9 @@ class BankState(NamedTuple):
 
 
 class BlockBank(BlockResidual):
-    """`BlockResidual`'s reads and writes on `BankState`, each read one fused kernel call. The backend's kernels are
-    bound at the first read (their arguments checked there once) and called directly after."""
+    """`BlockResidual`'s reads and writes on `BankState`, each read one fused kernel call. At the first read the
+    backend's kernels are bound (their arguments checked there once, then called directly) and every point's query is
+    folded (`fold_queries`)."""
 
     State = BankState
 
@@ -78,7 +79,7 @@ class BlockBank(BlockResidual):
         return BankState(bank, prefix=x, pending=None, shape=embedding.shape)
 
     def write(self, state, output):
-        return state._replace(pending=flat_tokens(output))
+        return BankState(state.bank, state.prefix, flat_tokens(output), state.shape, state.stats)
 
     def filled(self, point: int) -> int:
         """Bank rows complete before `point` reads: one per write layer before it (and its own layer's, past its
@@ -87,6 +88,8 @@ class BlockBank(BlockResidual):
         return -(-layer // self.block_size) if point % 2 == 0 else layer // self.block_size + 1
 
     def _read(self, state, point, norm):
+        if not torch.is_grad_enabled():  # entering no_grad costs as much as a decode point's kernel
+            return self._read_no_grad(state, point, norm)
         # a with block, not the decorator: dynamo cannot trace the decorator's closure (a bound method)
         with torch.no_grad():
             return self._read_no_grad(state, point, norm)
@@ -95,21 +98,20 @@ class BlockBank(BlockResidual):
         bank, prefix, pending, stats = state.bank, state.prefix, state.pending, state.stats
         if self._aggregate is None:
             self._bind(bank)
-        at, write, nvb = self.points[point], self.is_write_point(point), self.filled(point)
+        (c, eps), write, nvb = self.folded[point], self.is_write_point(point), self.filled(point)
         if prefix is None:  # the first point after a write: the pending output starts the new prefix
             prefix, pending = pending.clone(), None
         num_sources = nvb + 1
         out_w = None if norm is None else local_weight(norm.weight)
-        out_eps = at.eps if norm is None else self._out_eps(norm, num_sources)
-        c = at.folded_query(self.acc)
+        out_eps = eps if norm is None else self._out_eps(norm, num_sources)
         if not write and (stats is None or not stats[0] <= point < stats[1]):
             stats = self._score_group(bank, nvb, point)
         if stats is not None and not write:
             m, z, u = (s[point - stats[0]] for s in stats[2])
-            mix = self._merge(m, z, u, prefix, pending, c, out_w, at.eps, out_eps)
+            mix = self._merge(m, z, u, prefix, pending, c, out_w, eps, out_eps)
             self._merge = getattr(self._merge, "kernel", self._merge)
         else:
-            mix = self._aggregate(bank, nvb, prefix, pending, c, out_w, at.eps, out_eps, write)
+            mix = self._aggregate(bank, nvb, prefix, pending, c, out_w, eps, out_eps, write)
             # checked once per forward: every later call passes the same bank and prefix buffers, a pending output
             # reshaped by `write`, and c and the gains from the same kind of [1, d] and [d] weights; at decode the
             # checks cost as much as the kernel
@@ -122,6 +124,7 @@ class BlockBank(BlockResidual):
 
     def _bind(self, x: torch.Tensor) -> None:
         self.acc = accumulator_dtype(x.dtype)
+        self.folded = fold_queries(self.points, self.acc)
         # one device and dtype per forward: bind the backend's fused ops once, not at every point (at decode the lookup
         # costs about as much as the fused op itself); traced, the registered custom ops, which dispatch inside (a
         # traced backend selection would probe, and build, the CPU kernel)
@@ -141,6 +144,6 @@ class BlockBank(BlockResidual):
         group = points[: max(2, bank.shape[1] * bank.element_size() // 4)]  # u within the bank's bytes
         if not self.use_two_phase(bank[:, 0], nvb, len(group)):
             return None
-        cs = torch.stack([self.points[k].folded_query(self.acc) for k in group])
-        m, z, u, _ = depth_stats_fwd(bank_rows(bank, nvb), cs, self.points[group[0]].eps)
+        cs = torch.stack([self.folded[k][0] for k in group])
+        m, z, u, _ = depth_stats_fwd(bank_rows(bank, nvb), cs, self.folded[group[0]][1])
         return group.start, group.stop, (m, z, u)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from attnres.ops import depth_attention
 from attnres.ops.chain import depth_attention_chained
-from attnres.ops.depth_attention import fold_query
+from attnres.ops.depth_attention import as_dtype
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 
@@ -129,21 +129,6 @@ class DepthAttention(nn.Module):
             out_eps=out_norm.eps if out_norm is not None and out_eps is None else out_eps,
         )
 
-    def folded_query(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """c = g * w (`[d]`) in `dtype`, from the weights as they are now, without autograd: computed at every call,
-        never cached.
-
-        One `[d]` multiply. A cache would have to know when a weight changed, and nothing reliable tells it: fused
-        optimizers and `.data` writes change a weight in place without bumping its version counter (docs/design.md
-        section 11). Inference streams call it at every point of every decode step, without autograd already: no
-        `torch.no_grad` there, whose entry and exit cost as much as the multiply.
-        """
-        query, gain = local_weight(self.proj.weight), local_weight(self.norm.weight)
-        if not torch.is_grad_enabled():
-            return fold_query(query, gain, dtype)
-        with torch.no_grad():
-            return fold_query(query, gain, dtype)
-
     def reset_parameters(self) -> None:
         self.proj.reset_parameters()
         self.norm.reset_parameters()
@@ -158,7 +143,6 @@ class NamedPoint:
     forward = __call__ = DepthAttention.forward
     chained = DepthAttention.chained
     _op_arguments = DepthAttention._op_arguments
-    folded_query = DepthAttention.folded_query
     eps = DepthAttention.eps
 
     def __init__(self, owner: nn.Module, prefix: str):
@@ -171,3 +155,18 @@ class NamedPoint:
     @property
     def norm(self) -> nn.Module:
         return getattr(self.owner, self.norm_name)
+
+
+def fold_queries(points: Sequence[DepthAttention] | Mapping[int, DepthAttention], dtype: torch.dtype) -> dict:
+    """{point index: (c, eps)} for every point: c = g * w (`[d]`, in `dtype`) from the weights as they are now, all
+    folded in one multiply, and the key norm's eps. What an inference forward folds at its first read: a decode step
+    reads each point once, and a fold of its own per point costs as much as the point's kernel. Held by that forward's
+    residual object only, never past it: nothing reliable tells a cache when a weight changed (fused optimizers and
+    `.data` writes change it in place without bumping its version counter; docs/design.md section 11)."""
+    keys = list(points) if isinstance(points, Mapping) else range(len(points))
+    at = [points[k] for k in keys]
+    with torch.no_grad():
+        queries = torch.cat([local_weight(p.proj.weight) for p in at])
+        gains = torch.stack([local_weight(p.norm.weight) for p in at])
+        c = as_dtype(queries, dtype) * as_dtype(gains, dtype)
+    return {k: (row, p.eps) for k, row, p in zip(keys, c.unbind(0), at)}

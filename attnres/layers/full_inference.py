@@ -2,8 +2,8 @@
 
 `FullResidual` reads through `attnres.ops.depth_attention`, the differentiable operator: argument checks, a custom-op
 dispatch and the autograd wiring at every point, which at decode (a few tokens per step) cost more than the kernel.
-Here the backend's forward is bound at the first read and each point calls the kernel directly on the same sources,
-with its query folded from the weights as they are now: the mixture is the operator's bit for bit, and the state is
+Here the backend's forward is bound and every point's query folded from the weights as they are now at the first read
+(`fold_queries`), and each point calls the kernel directly on the same sources: the mixture is the operator's bit for bit, and the state is
 `FullResidual`'s.
 
 The sources stay the sublayer outputs themselves: copying them into one preallocated `[tokens, 2L + 1, d]` buffer
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from attnres.layers.depth_attention import local_weight
+from attnres.layers.depth_attention import fold_queries, local_weight
 from attnres.layers.residuals import FullResidual
 from attnres.ops.backends import select_backend
 from attnres.ops.depth_attention import accumulator_dtype, torch_depth_attention_fwd
@@ -30,13 +30,17 @@ class FullInference(FullResidual):
         self._forward = None
 
     def _read(self, state, point, norm):
-        sources, at = state.rows, self.points[point]
+        sources = state.rows
         num_sources = len(sources)
         if self._forward is None:
-            self._acc = accumulator_dtype(sources[0].dtype)
+            self.folded = fold_queries(self.points, accumulator_dtype(sources[0].dtype))
             self._forward = select_backend(sources[0]).fwd or torch_depth_attention_fwd
-        with torch.no_grad():
-            out_w = None if norm is None else local_weight(norm.weight)
-            out_eps = at.eps if norm is None else self._out_eps(norm, num_sources)
-            mix = self._forward(sources, at.folded_query(self._acc), out_w, at.eps, out_eps)[0]
+        c, eps = self.folded[point]
+        out_w = None if norm is None else local_weight(norm.weight)
+        out_eps = eps if norm is None else self._out_eps(norm, num_sources)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                mix = self._forward(sources, c, out_w, eps, out_eps)[0]
+        else:  # entering no_grad costs as much as a decode point's kernel
+            mix = self._forward(sources, c, out_w, eps, out_eps)[0]
         return (mix if norm is not None else self._finish_unfused(mix, num_sources)), state

@@ -185,7 +185,7 @@ class StandardResidual(Residual):
         return (state.head if norm is None else norm(state.head)), state
 
     def write(self, state, output):
-        return state._replace(head=state.head + output)
+        return ResidualState((), state.head + output)
 
 
 class FullResidual(Residual):
@@ -213,7 +213,7 @@ class FullResidual(Residual):
         return (out if norm is not None else self._finish_unfused(out, R)), state._replace(carrier=carrier)
 
     def write(self, state, output):
-        return state._replace(rows=(*state.rows, output))
+        return ResidualState((*state.rows, output), None, state.carrier)
 
 
 class BlockResidual(Residual):
@@ -268,7 +268,7 @@ class BlockResidual(Residual):
         return self._merge_prefix(point, stats, rows, prefix, norm), state
 
     def write(self, state, output):
-        return state._replace(head=output if state.head is None else state.head + output)
+        return ResidualState(state.rows, output if state.head is None else state.head + output, None, state.stats)
 
     def use_two_phase(self, row: torch.Tensor, rows: int, points: int) -> bool:
         """Phase 1 over `rows` bank rows like `row` for `points` points, or one-shot reads?"""

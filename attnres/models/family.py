@@ -243,9 +243,11 @@ def run_sublayer(
     """The sublayer's output v (what the family adds to its residual) for the normed input `x`; `layer_args`: the
     family layer forward's own argument names (the rest of `kwargs` reach a `body_extra` body)."""
     body = getattr(layer, side.body)
-    args = {name: kwargs[name] for name in side.body_args if name in kwargs}
-    if side.body_extra:
-        args.update((name, value) for name, value in kwargs.items() if name not in layer_args)
+    if side.body_extra:  # all but the layer's own arguments that the body does not take
+        held = [name for name in kwargs if name in layer_args and name not in side.body_args]
+        args = {name: value for name, value in kwargs.items() if name not in held} if held else kwargs
+    else:
+        args = {name: kwargs[name] for name in side.body_args if name in kwargs}
     out = body(hidden_states=x, **args) if side.body_kwarg_input else body(x, **args)
     out = out[0] if side.tuple_output else out
     for name, is_tuple in side.post:

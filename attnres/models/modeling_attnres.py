@@ -247,7 +247,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
     def _run(self, forward, records: Records | None, output_cls, **kwargs):
         """`forward(**kwargs)` (the family's) with one residual object for its layers and its final read, and its
         output with the AttnRes fields added."""
-        backward = torch.is_grad_enabled() or (self.is_activation_checkpointing and self.training)
+        # (the checkpointing switch is a walk over every module: asked only in training)
+        backward = torch.is_grad_enabled() or (self.training and self.is_activation_checkpointing)
         residual = residual_for(self.config, self.aggregation_points(), backward=backward, records=records)
         token = ACTIVE_RESIDUAL.set(residual)
         try:

@@ -182,7 +182,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
 
     def sublayer(self, side: Sublayer, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """What the family's sublayer adds to its residual, for the normed input `x`."""
-        return run_sublayer(self, side, x, kwargs, self.family_args).to(x.dtype)
+        out = run_sublayer(self, side, x, kwargs, self.family_args)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def own_residual(self) -> Residual:
         """The residual object of this layer run outside a model's forward (a pipeline stage): over its own points."""

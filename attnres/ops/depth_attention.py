@@ -36,11 +36,11 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 def fold_query(query: torch.Tensor, key_norm_weight: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
     """c = g * w in the accumulator dtype (docs/design.md section 2, step 1): scoring against c equals scoring the
     RMS-normed key."""
-    q = _as(query.reshape(-1), acc)
-    return q if key_norm_weight is None else q * _as(key_norm_weight, acc)
+    q = as_dtype(query.reshape(-1), acc)
+    return q if key_norm_weight is None else q * as_dtype(key_norm_weight, acc)
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t.to(dtype)`, without a dispatch when it is already of that dtype (inference folds queries at every point)."""
     return t if t.dtype == dtype else t.to(dtype)
 

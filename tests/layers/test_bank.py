@@ -5,6 +5,7 @@ import torch
 
 from attnres.layers import DepthAttention, RMSNorm, make_stream
 from attnres.layers.bank import BlockBank
+from attnres.layers.depth_attention import fold_queries
 
 
 def _stack(L, d, seed=0):
@@ -96,7 +97,7 @@ def test_bank_stream_unfused_reads_return_the_mixture():
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_folded_query_is_computed_from_the_weights_at_every_read():
+def test_queries_are_folded_from_the_weights_at_every_forward():
     L, S, d = 3, 1, 8
     points, norms, mats = _stack(L, d, seed=3)
     emb = torch.randn(5, d)
@@ -109,11 +110,11 @@ def test_folded_query_is_computed_from_the_weights_at_every_read():
         ref = _run(make_stream("block", emb, L, points, block_size=S), norms, mats)
         out = _run(make_stream("block", emb, L, points, block_size=S, inference=True), norms, mats)
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
-    for point in points:
-        assert torch.equal(point.folded_query(), point.proj.weight[0] * point.norm.weight)
-    c = points[4].folded_query()
+    folded = fold_queries(points, torch.float32)
+    for k, point in enumerate(points):
+        assert torch.equal(folded[k][0], point.proj.weight[0] * point.norm.weight) and folded[k][1] == point.eps
     points[4].proj.weight.data.mul_(2.0)
-    assert torch.equal(points[4].folded_query(), 2 * c)  # a fresh tensor at every call, never one held over
+    assert torch.equal(fold_queries(points, torch.float32)[4][0], 2 * folded[4][0])  # fresh tensors at every call
 
 
 def test_the_first_point_checks_what_the_kernel_takes():
