@@ -29,3 +29,20 @@ def smollm2():
         return fetch("smollm2-135m", progress=False)
     except ImportError as error:  # `gguf` or `accelerate` missing: the message is the install command
         pytest.fail(str(error), pytrace=False)
+
+
+@pytest.fixture
+def cpu_kernel_calls(monkeypatch) -> list[str]:
+    """Names of the compiled CPU ops called from now on: proves which kernel served a call (and that it was the only
+    one)."""
+    from attnres.ops import cpu
+
+    calls, real = [], cpu._ops()
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(cpu, "_ops", Spy)
+    return calls

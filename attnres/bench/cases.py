@@ -22,7 +22,7 @@ from attnres.bench.models import FastRMSNorm
 from attnres.bench.timing import median_times
 from attnres.layers import DepthAttention, make_stream
 from attnres.ops import depth_attention
-from attnres.ops.backends import last_backend
+from attnres.ops.backends import select_backend
 from attnres.ops.bank import bank_aggregate
 from attnres.ops.naive import naive_bank_aggregate, naive_depth_attention
 
@@ -106,10 +106,9 @@ class CompiledPeer:
         return call
 
 
-def _with_backend(name: str, fn: Callable[[], object]) -> str:
-    """`name[backend]`, the backend that serves `fn` (one untimed call)."""
-    fn()
-    return f"{name}[{last_backend()}]"
+def _with_backend(name: str, x: torch.Tensor) -> str:
+    """`name[backend]`, the backend that serves tensors like `x`."""
+    return f"{name}[{select_backend(x).name}]"
 
 
 def _timed(
@@ -153,11 +152,11 @@ def operator_cases(cfg: SuiteConfig, dtype_name: str, peer: CompiledPeer) -> lis
     results = []
     with torch.no_grad():
         impls = dict(forwards)
-        impls[_with_backend("attnres", impls.pop("attnres"))] = forwards["attnres"]
+        impls[_with_backend("attnres", sources[0])] = impls.pop("attnres")
         name = f"operator fwd {shape}"
         results.append(CaseResult(name, SUM, _timed(name, impls, peer_forward, peer, cfg), fwd_bytes))
     impls = {impl: backward(fwd) for impl, fwd in forwards.items()}
-    impls[_with_backend("attnres", impls.pop("attnres"))] = backward(forwards["attnres"])
+    impls[_with_backend("attnres", sources[0])] = impls.pop("attnres")
     name = f"operator fwd+bwd {shape}"
     both_bytes = fwd_bytes + (2 * R + 1) * T * d * e
     results.append(CaseResult(name, SUM, _timed(name, impls, backward(peer_forward), peer, cfg), both_bytes))
@@ -227,7 +226,7 @@ def bank_case(cfg: SuiteConfig, dtype_name: str, peer: CompiledPeer) -> CaseResu
     impls = {
         SUM: lambda: stacked.sum(0),
         TWIN: aggregate(naive_bank_aggregate),
-        _with_backend("bank_aggregate", aggregate(bank_aggregate)): aggregate(bank_aggregate),
+        _with_backend("bank_aggregate", bank): aggregate(bank_aggregate),
     }
     rows = [bank[:, j] for j in range(nvb)]
     peer_call = lambda: peer.fn(c, [*rows, prefix], torch.ones(d, dtype=dtype), norm, rms_eps=EPS)  # noqa: E731

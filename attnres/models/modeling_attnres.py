@@ -234,7 +234,6 @@ class AttnResPreTrainedModel(PreTrainedModel):
         if use_cache is None and self.training:
             use_cache = False  # a training step starts no KV cache
         _check_inputs(input_ids, inputs_embeds, attention_mask, cache)
-        self._refuse_row_routing(self.aggregation_points() or ())
         L = self.config.num_hidden_layers
         hidden = _hidden_state_indices(kwargs.pop("output_hidden_states", self.config.output_hidden_states), L)
         capture = _check_capture_layers(capture_layers, L)
@@ -249,7 +248,9 @@ class AttnResPreTrainedModel(PreTrainedModel):
         output with the AttnRes fields added."""
         # (the checkpointing switch is a walk over every module: asked only in training)
         backward = torch.is_grad_enabled() or (self.training and self.is_activation_checkpointing)
-        residual = residual_for(self.config, self.aggregation_points(), backward=backward, records=records)
+        points = self.aggregation_points()
+        self._refuse_row_routing(points or ())
+        residual = residual_for(self.config, points, backward=backward, records=records)
         token = ACTIVE_RESIDUAL.set(residual)
         try:
             output = forward(attn_res_residual=residual, **kwargs)

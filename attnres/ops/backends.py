@@ -5,7 +5,7 @@ it is available), or `torch` to force the portable torch-op path everywhere (the
 A backend supplies kernels only: each entry keeps the contract written on its op (`attnres::depth_attention_fwd/bwd`
 and `bwd_into` beside it, `attnres::depth_stats_fwd/bwd`, `attnres::merge_prefix_fwd/bwd`,
 `attnres.ops.bank.bank_aggregate/bank_merge`), and a None entry means "use the torch path" for that op. The fused
-bank ops are stored behind those ops' checks. `last_backend()` names the one that ran last, so tests can prove routing.
+bank ops are stored behind those ops' checks.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ class Backend:
 
 
 TORCH = Backend("torch")
-_last = TORCH.name
 
 
 def _cpu_backend() -> Backend | None:
@@ -105,13 +104,10 @@ def select_backend(x: torch.Tensor, stats_rows: int | None = None) -> Backend:
 
 def backend_for(device_type: str, dtype: torch.dtype, d: int, stats_rows: int | None = None) -> Backend:
     """`select_backend` for sources on a `device_type` device, of `dtype` and hidden size d."""
-    global _last
     choice = os.environ.get(BACKEND_ENV, "auto")
     if choice not in BACKEND_CHOICES:
         raise ValueError(f"{BACKEND_ENV}: expected one of {BACKEND_CHOICES}, got {choice!r}")
-    backend = _choose(choice, device_type, dtype, d, stats_rows)
-    _last = backend.name
-    return backend
+    return _choose(choice, device_type, dtype, d, stats_rows)
 
 
 @functools.cache  # a function of its arguments (the probed backends are cached too): a decode step asks per layer
@@ -125,7 +121,3 @@ def _choose(choice: str, device_type: str, dtype: torch.dtype, d: int, stats_row
     fits = fits and (stats_rows is None or found.max_rows is None or stats_rows <= found.max_rows)
     return found if fits else TORCH
 
-
-def last_backend() -> str:
-    """Name of the backend that served the last depth-attention call in this process."""
-    return _last

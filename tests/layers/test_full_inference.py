@@ -9,7 +9,7 @@ import torch
 
 from attnres.layers import make_stream
 from attnres.layers.depth_attention import DepthAttention, RMSNorm
-from attnres.ops.backends import BACKEND_ENV, last_backend
+from attnres.ops.backends import BACKEND_ENV
 from attnres.layers.full_inference import FullInference
 
 LAYERS, D = 3, 64
@@ -39,7 +39,7 @@ def reads(stream, norms, outputs) -> list[torch.Tensor]:
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rescale", [False, True])
-def test_reads_equal_full_stream_bit_for_bit(monkeypatch, backend, dtype, rescale):
+def test_reads_equal_full_stream_bit_for_bit(monkeypatch, cpu_kernel_calls, backend, dtype, rescale):
     monkeypatch.setenv(BACKEND_ENV, backend)
     gen = torch.Generator().manual_seed(1)
     tokens = 37  # a flattened batch of several sequences
@@ -53,8 +53,9 @@ def test_reads_equal_full_stream_bit_for_bit(monkeypatch, backend, dtype, rescal
     want = reads(make_stream("full", embedding, LAYERS, pts, rescale_mixture=rescale), norms, outputs)
     got_stream = make_stream("full", embedding, LAYERS, pts, rescale_mixture=rescale, inference=True)
     assert isinstance(got_stream.residual, FullInference)
+    cpu_kernel_calls.clear()
     got = reads(got_stream, norms, outputs)
-    assert last_backend() == ("cpu" if backend == "auto" else "torch")
+    assert cpu_kernel_calls == (["depth_attention_fwd"] * (2 * LAYERS + 1) if backend == "auto" else [])
     assert len(got) == len(want) == 2 * LAYERS + 1
     for k, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == b.dtype and torch.equal(a, b), (k, (a.float() - b.float()).abs().max().item())

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from attnres.ops import SoftmaxStats, depth_stats, finish_stats, merge_prefix, merge_stats
+from attnres.ops.backends import select_backend
 from attnres.ops.merge import merge_prefix_fwd, torch_merge_prefix_bwd, torch_merge_prefix_fwd
 from tests import TOL, assert_all_close, assert_close, leaves
 
@@ -345,12 +346,14 @@ def test_kernels_take_no_tokens():
     assert torch.equal(dc, torch.zeros(5, device=DEVICE)) and torch.equal(dow, torch.zeros(5, device=DEVICE))
 
 
-def test_the_op_routes_to_the_kernels_on_cuda():
-    from attnres.ops.backends import last_backend
+def test_the_op_routes_to_the_kernels_on_cuda(monkeypatch):
+    from attnres.ops import merge, triton as kernels
 
+    calls = []
+    monkeypatch.setattr(merge, "select_backend", lambda x: calls.append(x.device.type) or select_backend(x))
     stats, prefix, w, g, o = make_inputs(Case(8, (3,)), DEVICE)
     merge_prefix(stats, prefix, w, g, out_norm_weight=o)
-    assert last_backend() == "triton"
+    assert calls and select_backend(prefix).merge_fwd is kernels.triton_merge_prefix_fwd
 
 
 test_the_op_routes_to_the_kernels_on_cuda.__test__ = ON_CUDA  # CPU tensors (interpreter included) keep torch ops
