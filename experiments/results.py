@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from attnres.analysis.report import seed_losses
-from attnres.analysis.stats import paired_gaps
+from attnres.analysis.stats import paired_gaps, seeds_to_resolve
 from attnres.atomic import atomic_write_text
 from attnres.training import TrainConfig
 from attnres.commands import compare as compare_command
@@ -380,6 +380,18 @@ def upcycle_readme(data: dict) -> str:
             f"{interval(summary['compute_matched']['gap'])}.")
 
 
+def resolution(gap: dict | None, target: float = 0.01) -> str:
+    """What the seeds of a paired gap can resolve, and how many a gap of `target` nats would take."""
+    if not gap or gap["std"] is None:
+        return ""
+    half = (gap["ci95"][1] - gap["ci95"][0]) / 2
+    need = seeds_to_resolve(gap["std"], target)
+    return (f"With {gap['n']} seeds the Block gap's interval is +-{half:.3f} wide, so it cannot resolve a gap of "
+            f"{target:g} nats: its per-seed gaps spread by {gap['std']:.4f}, and an interval of +-{target:g} takes "
+            f"{need} seeds (each seed of the five arms takes about 45 minutes of this 2-core machine; "
+            "`--seeds` adds more to the ledger). ")
+
+
 def real_upcycle_section(data: dict) -> list[str]:
     """SmolLM2-135M continued as standard, Block, Full and frozen-base Block: whatever seeds the ledger holds."""
     summary, setup = data["summary"], data["setup"]
@@ -406,6 +418,7 @@ def real_upcycle_section(data: dict) -> list[str]:
         + (f"With {seeds} seed{'s' if seeds != 1 else ''} of every arm so far, this is no verdict yet: the study "
            "resumes from its ledger (`python -m experiments.real_upcycle`) until every arm has 3 seeds. "
            if seeds < 3 else "")
+        + resolution(gaps.get(real_upcycle.BLOCK))
         + "The anchors: " + PUBLIC_UPCYCLE[0].lower() + PUBLIC_UPCYCLE[1:] + " The paper's from-scratch gains are "
         "about 0.02 nats at 194M-528M parameters.")
     return [

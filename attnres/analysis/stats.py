@@ -51,3 +51,12 @@ def paired_gaps(gaps: Sequence[float]) -> dict:
     std = statistics.stdev(gaps) if n > 1 else None
     ci = None if std is None else list(t_interval(mean, std / math.sqrt(n), n - 1))
     return {"n": n, "mean": mean, "std": std, "ci95": ci, "gaps": list(gaps)}
+
+
+def seeds_to_resolve(std: float, half_width: float, most: int = 1000) -> int | None:
+    """The fewest seeds whose 95% t interval is at most +-`half_width` wide, for per-seed gaps spread by `std`
+    (None past `most`)."""
+    for n in range(2, most + 1):
+        if t975(n - 1) * std / math.sqrt(n) <= half_width:
+            return n
+    return None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from attnres.analysis.stats import paired_gaps
+from attnres.analysis.stats import paired_gaps, seeds_to_resolve
 from experiments import budget, query_lr, results, stability, upcycle, warmup_stall
 from experiments.study import Ledger, study_command, verdict
 
@@ -28,6 +28,13 @@ def test_gap_interval_is_the_t_interval():
     assert verdict(stats) == "AttnRes lower (95% interval below 0)"
     assert verdict(paired_gaps([-0.03, 0.01, -0.02])) == "no measurable difference (95% interval spans 0)"
     assert verdict(paired_gaps([0.01])) == "one seed: no interval" and verdict(paired_gaps([])) == "not measured"
+
+
+def test_seeds_to_resolve_is_the_fewest_whose_interval_fits():
+    # spread 0.0088: 5 seeds give 2.776 * 0.0088 / sqrt(5) = 0.0109, 6 give 2.571 * 0.0088 / sqrt(6) = 0.0092
+    assert seeds_to_resolve(0.0088, 0.01) == 6
+    assert seeds_to_resolve(0.001, 0.01) == 2  # 12.706 * 0.001 / sqrt(2) = 0.009
+    assert seeds_to_resolve(1.0, 0.01, most=50) is None
 
 
 def study_parser() -> argparse.ArgumentParser:
