@@ -242,7 +242,7 @@ def run_sublayer(
 ) -> torch.Tensor:
     """The sublayer's output v (what the family adds to its residual) for the normed input `x`; `layer_args`: the
     family layer forward's own argument names (the rest of `kwargs` reach a `body_extra` body)."""
-    body = getattr(layer, side.body)
+    body = layer._modules[side.body]
     if side.body_extra:  # all but the layer's own arguments that the body does not take
         held = [name for name in kwargs if name in layer_args and name not in side.body_args]
         args = {name: value for name, value in kwargs.items() if name not in held} if held else kwargs
@@ -251,7 +251,7 @@ def run_sublayer(
     out = body(hidden_states=x, **args) if side.body_kwarg_input else body(x, **args)
     out = out[0] if side.tuple_output else out
     for name, is_tuple in side.post:
-        out = getattr(layer, name)(out)
+        out = layer._modules[name](out)
         out = out[0] if is_tuple else out
     return out * side.scale if side.scale != 1.0 else out
 

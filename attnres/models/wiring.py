@@ -177,7 +177,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     def prenorm(self, side: Sublayer) -> PreNorm:
         """The side's PreNorm: fused into the read when it is the family's plain RMSNorm, the module the plan was read
         with (a module swapped in for it runs as itself)."""
-        norm = getattr(self, side.norm)
+        norm = self._modules[side.norm]  # the registry itself: nn.Module.__getattr__ searches it at a cost
         return PreNorm(norm, side.fused_eps if type(norm) is self._family_norms[side.norm] else None)
 
     def sublayer(self, side: Sublayer, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
