@@ -102,7 +102,7 @@ if name == "vllm":
 EOF
 }
 
-step "real model (benchmarks/real_model.py: SmolLM2-135M's shapes, original against Block and Full)"
+step "real model (benchmarks/real_model.py: SmolLM2-135M's shapes, original against its standard, Block and Full conversions)"
 real_json=${json%.json}.stages/real_model.json
 mkdir -p "$(dirname "$real_json")"
 rm -f "$real_json"

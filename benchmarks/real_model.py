@@ -1,12 +1,14 @@
 """What AttnRes costs on a real pretrained model: SmolLM2-135M-Instruct (`attnres fetch smollm2-135m`) as transformers
-loads it, against its exact Block and Full conversions (`attnres.convert_from_hf`), in one process.
+loads it, against its exact Block and Full conversions (`attnres.convert_from_hf`), in one process. Its standard
+conversion (the AttnRes decoder layer with the plain residual sum) runs beside them: what the layer costs apart from
+the depth attention.
 
-Two cases, each model in turn in every round (a shared machine's changing load then reaches all three alike), the
+Two cases, each model in turn in every round (a shared machine's changing load then reaches all of them alike), the
 median of the rounds' ratios to the original:
 - train: one optimizer step (forward with loss, backward, torch's fused AdamW) on 2 x 256 tokens of real text;
 - decode: one greedy decode step at batch 1 with a KV cache of 64 tokens (the middle of a 64-token answer to a
   32-token prompt), the cache cropped back after each step. A step is short, so the rounds are many: a machine whose
-  speed drifts over seconds then reaches the three models alike.
+  speed drifts over seconds then reaches the models alike.
 The paper reports under 4% for training and under 2% for inference (Kimi K3 scale, on GPUs).
 
     python -m benchmarks.real_model                                # fp32 and bf16 on the CPU -> docs/real_model.json
@@ -33,7 +35,7 @@ import torch
 from attnres.atomic import atomic_write_text
 from attnres.bench.models import decode_step
 from attnres.bench.timing import round_times
-from attnres.layers.kinds import BLOCK, FULL
+from attnres.layers.kinds import BLOCK, FULL, STANDARD
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # SmolLM2-135M-Instruct's llama config (its config.json, as `attnres fetch smollm2-135m` writes it)
@@ -75,8 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_models(source: str | dict, dtype: torch.dtype, device: str, block_size: int) -> dict:
-    """The original model (from a folder, or a llama config's fields with random weights) and its Block and Full
-    conversions, in `dtype` on `device`."""
+    """The original model (from a folder, or a llama config's fields with random weights) and its standard, Block and
+    Full conversions, in `dtype` on `device`. The standard conversion is the AttnRes decoder layer with the plain
+    residual sum: what the layer costs apart from the depth attention."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from attnres.models import convert_from_hf
@@ -88,6 +91,7 @@ def load_models(source: str | dict, dtype: torch.dtype, device: str, block_size:
         original = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
     return {
         ORIGINAL: original,
+        STANDARD: convert_from_hf(copy.deepcopy(original), residual=STANDARD),
         BLOCK: convert_from_hf(copy.deepcopy(original), residual=BLOCK, attn_res_block_size=block_size),
         FULL: convert_from_hf(copy.deepcopy(original), residual=FULL),
     }
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"case": case, "dtype": dtype_name, **summarise(round_times(fns, rounds, args.warmup, args.device))}
             results.append(row)
             print(f"{case:6s} {dtype_name}: original {row['ms'][ORIGINAL]:8.1f} ms; "
-                  + "; ".join(f"{k} {row['ratio'][k]:.3f}x" for k in (BLOCK, FULL)), flush=True)
+                  + "; ".join(f"{k} {row['ratio'][k]:.3f}x" for k in (STANDARD, BLOCK, FULL)), flush=True)
         del models
     if args.profile:
         return 0

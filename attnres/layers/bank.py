@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from attnres.layers.depth_attention import fold_queries, local_weight
+from attnres.layers.depth_attention import FoldedQueries, local_weight
 from attnres.layers.residuals import BlockResidual
 from attnres.ops.backends import select_backend
 from attnres.ops.bank import bank_aggregate, bank_aggregate_op, bank_merge, bank_merge_op, bank_rows
@@ -57,20 +57,25 @@ class BankState(NamedTuple):
 
 class BlockBank(BlockResidual):
     """`BlockResidual`'s reads and writes on `BankState`, each read one fused kernel call. At the first read the
-    backend's kernels are bound (their arguments checked there once, then called directly) and every point's query is
-    folded (`fold_queries`)."""
+    backend's kernels are bound (their arguments checked there once, then called directly); queries are folded
+    together (`FoldedQueries`). `layerwise`: a read uses the weights of its own decoder layer only."""
 
     State = BankState
 
-    def __init__(self, num_layers, points, block_size, *, rescale_mixture=False, record=None, two_phase=None):
+    def __init__(self, num_layers, points, block_size, *, rescale_mixture=False, record=None, two_phase=None,
+                 layerwise=False):
         super().__init__(
             num_layers, points, block_size, rescale_mixture=rescale_mixture, record=record, two_phase=two_phase
         )
+        self.layerwise = layerwise
         self._aggregate = self._merge = None
         self.end_point = max(points) + 1 if isinstance(points, Mapping) else len(points)
 
     def block_points(self, point: int) -> range:
-        """`point` and the later points of its block that this object reads (no gradient: any layer's weights)."""
+        """`point` and the later points of its block that this object reads: the rest of the block, or with
+        `layerwise` (weights gathered layer by layer) those of its own decoder layer."""
+        if self.layerwise:
+            return super().block_points(point)
         return range(point, min(self.block_end(point), self.end_point))
 
     def start(self, embedding):
@@ -124,7 +129,7 @@ class BlockBank(BlockResidual):
 
     def _bind(self, x: torch.Tensor) -> None:
         self.acc = accumulator_dtype(x.dtype)
-        self.folded = fold_queries(self.points, self.acc)
+        self.folded = FoldedQueries(self.points, self.acc, self.layerwise)
         # one device and dtype per forward: bind the backend's fused ops once, not at every point (at decode the lookup
         # costs about as much as the fused op itself); traced, the registered custom ops, which dispatch inside (a
         # traced backend selection would probe, and build, the CPU kernel)

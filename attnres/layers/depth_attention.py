@@ -158,16 +158,34 @@ class NamedPoint:
         return self.owner._modules[self.norm_name]
 
 
-def fold_queries(points: Sequence[DepthAttention] | Mapping[int, DepthAttention], dtype: torch.dtype) -> dict:
-    """{point index: (c, eps)} for every point: c = g * w (`[d]`, in `dtype`) from the weights as they are now, all
-    folded in one multiply, and the key norm's eps. What an inference forward folds at its first read: a decode step
-    reads each point once, and a fold of its own per point costs as much as the point's kernel. Held by that forward's
-    residual object only, never past it: nothing reliable tells a cache when a weight changed (fused optimizers and
-    `.data` writes change it in place without bumping its version counter; docs/design.md section 11)."""
-    keys = list(points) if isinstance(points, Mapping) else range(len(points))
-    at = [points[k] for k in keys]
+class FoldedQueries:
+    """{point index: (c, eps)} of one inference forward: c = g * w (`[d]`, in `dtype`) from the weights as they are
+    now, and the key norm's eps, folded at a point's first read. A decode step reads each point once, and a fold of its
+    own per point costs as much as the point's kernel, so every point is folded in one multiply; `layerwise`, only the
+    points of the read's decoder layer (FSDP2 gathers a layer's weights for its own forward only). Held by that
+    forward's residual object, never past it: nothing reliable tells a cache when a weight changed (fused optimizers
+    and `.data` writes change it in place without bumping its version counter; docs/design.md section 11)."""
+
+    def __init__(self, points: Sequence[DepthAttention] | Mapping[int, DepthAttention], dtype: torch.dtype,
+                 layerwise: bool = False):
+        self.points, self.dtype, self.layerwise = points, dtype, layerwise
+        self.folded: dict[int, tuple[torch.Tensor, float]] = {}
+
+    def __getitem__(self, point: int) -> tuple[torch.Tensor, float]:
+        got = self.folded.get(point)
+        if got is None:
+            keys = list(self.points) if isinstance(self.points, Mapping) else range(len(self.points))
+            if self.layerwise:
+                keys = [k for k in keys if k // 2 == point // 2]
+            self.folded.update(fold_queries([self.points[k] for k in keys], self.dtype, keys))
+            got = self.folded[point]
+        return got
+
+
+def fold_queries(points: Sequence[DepthAttention], dtype: torch.dtype, keys: Sequence[int]) -> dict:
+    """{key: (c, eps)} for `points` (named by `keys`), all folded in one multiply (`FoldedQueries`)."""
     with torch.no_grad():
-        queries = torch.cat([local_weight(p.proj.weight) for p in at])
-        gains = torch.stack([local_weight(p.norm.weight) for p in at])
+        queries = torch.cat([local_weight(p.proj.weight) for p in points])
+        gains = torch.stack([local_weight(p.norm.weight) for p in points])
         c = as_dtype(queries, dtype) * as_dtype(gains, dtype)
-    return {k: (row, p.eps) for k, row, p in zip(keys, c.unbind(0), at)}
+    return {k: (row, p.eps) for k, row, p in zip(keys, c.unbind(0), points)}

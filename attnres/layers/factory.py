@@ -25,6 +25,7 @@ def make_residual(
     two_phase: bool | None = None,
     record: Recorder | None = None,
     inference: bool = False,
+    layerwise: bool = False,
     chain: bool = False,
 ) -> Residual:
     """The residual object of kind `residual` ("standard", "full" or "block").
@@ -33,7 +34,8 @@ def make_residual(
     (a decoder layer's own two; not needed for "standard"); `block_size` counts decoder layers (Kimi K3
     `attn_res_block_size`); `record`: what the reads keep (`Recorder`); `inference` selects the backends without
     autograd: for "block" the fused bank (`attnres.layers.bank`), for "full" direct kernel calls
-    (`attnres.layers.full_inference`), unless depth is recorded; `chain` makes the points of "full" a chain for the
+    (`attnres.layers.full_inference`), unless depth is recorded; `layerwise`: those backends read each decoder
+    layer's weights during its own reads only (FSDP2 gathers them layer by layer); `chain` makes the points of "full" a chain for the
     backward (`attnres.ops.chain`: the same gradients, summed in place; for eager training).
     """
     if residual not in RESIDUAL_KINDS:
@@ -43,9 +45,11 @@ def make_residual(
     if residual == STANDARD:
         return StandardResidual(num_layers, **common)
     if residual == FULL:
-        return FullInference(num_layers, points, **common) if inference else FullResidual(
+        return FullInference(num_layers, points, layerwise=layerwise, **common) if inference else FullResidual(
             num_layers, points, chain=chain, **common
         )
     if block_size is None:
         raise ValueError("block_size: the block residual needs a block size (in decoder layers)")
-    return (BlockBank if inference else BlockResidual)(num_layers, points, block_size, two_phase=two_phase, **common)
+    if inference:
+        return BlockBank(num_layers, points, block_size, two_phase=two_phase, layerwise=layerwise, **common)
+    return BlockResidual(num_layers, points, block_size, two_phase=two_phase, **common)

@@ -3,7 +3,7 @@
 `FullResidual` reads through `attnres.ops.depth_attention`, the differentiable operator: argument checks, a custom-op
 dispatch and the autograd wiring at every point, which at decode (a few tokens per step) cost more than the kernel.
 Here the backend's forward is bound and every point's query folded from the weights as they are now at the first read
-(`fold_queries`), and each point calls the kernel directly on the same sources: the mixture is the operator's bit for bit, and the state is
+(`FoldedQueries`), and each point calls the kernel directly on the same sources: the mixture is the operator's bit for bit, and the state is
 `FullResidual`'s.
 
 The sources stay the sublayer outputs themselves: copying them into one preallocated `[tokens, 2L + 1, d]` buffer
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from attnres.layers.depth_attention import fold_queries, local_weight
+from attnres.layers.depth_attention import FoldedQueries, local_weight
 from attnres.layers.residuals import FullResidual
 from attnres.ops.backends import select_backend
 from attnres.ops.depth_attention import accumulator_dtype, torch_depth_attention_fwd
@@ -25,15 +25,16 @@ from attnres.ops.depth_attention import accumulator_dtype, torch_depth_attention
 class FullInference(FullResidual):
     """`FullResidual` without autograd: the same schedule and sources, each read one direct kernel call."""
 
-    def __init__(self, num_layers, points, *, rescale_mixture=False, record=None):
+    def __init__(self, num_layers, points, *, rescale_mixture=False, record=None, layerwise=False):
         super().__init__(num_layers, points, rescale_mixture=rescale_mixture, record=record)
+        self.layerwise = layerwise
         self._forward = None
 
     def _read(self, state, point, norm):
         sources = state.rows
         num_sources = len(sources)
         if self._forward is None:
-            self.folded = fold_queries(self.points, accumulator_dtype(sources[0].dtype))
+            self.folded = FoldedQueries(self.points, accumulator_dtype(sources[0].dtype), self.layerwise)
             self._forward = select_backend(sources[0]).fwd or torch_depth_attention_fwd
         c, eps = self.folded[point]
         out_w = None if norm is None else local_weight(norm.weight)

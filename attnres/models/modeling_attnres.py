@@ -29,6 +29,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -250,7 +251,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
         backward = torch.is_grad_enabled() or (self.training and self.is_activation_checkpointing)
         points = self.aggregation_points()
         self._refuse_row_routing(points or ())
-        residual = residual_for(self.config, points, backward=backward, records=records)
+        residual = residual_for(self.config, points, backward=backward, records=records,
+                                layerwise=isinstance(self.model.layers[0], FSDPModule))
         token = ACTIVE_RESIDUAL.set(residual)
         try:
             output = forward(attn_res_residual=residual, **kwargs)

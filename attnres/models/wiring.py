@@ -94,13 +94,15 @@ def unchained_full_points():
         _FULL_CHAIN.reset(token)
 
 
-def residual_for(config, points, *, backward: bool, records: Records | None = None) -> Residual:
+def residual_for(
+    config, points, *, backward: bool, records: Records | None = None, layerwise: bool = False
+) -> Residual:
     """The residual object of a forward (or of a layer or final read run alone) over `points`.
 
     `backward`: the forward has a backward, or reentrant checkpointing will replay it with one: the autograd residuals
     (Full's points a chain, except where traced, as `torch.compile` takes the functional op, or within
     `unchained_full_points()`). Otherwise the inference backends: Block's fused bank (docs/design.md section 5) and
-    Full's direct kernel calls.
+    Full's direct kernel calls; `layerwise` where each layer's weights are at hand during its own forward only (FSDP2).
     """
     return make_residual(
         config.residual,
@@ -111,6 +113,7 @@ def residual_for(config, points, *, backward: bool, records: Records | None = No
         two_phase=config.attn_res_two_phase,
         record=records,
         inference=not backward,
+        layerwise=layerwise,
         chain=backward and not torch.compiler.is_compiling() and _FULL_CHAIN.get(),
     )
 

@@ -5,7 +5,7 @@ import torch
 
 from attnres.layers import DepthAttention, RMSNorm, make_stream
 from attnres.layers.bank import BlockBank
-from attnres.layers.depth_attention import fold_queries
+from attnres.layers.depth_attention import FoldedQueries
 
 
 def _stack(L, d, seed=0):
@@ -110,11 +110,16 @@ def test_queries_are_folded_from_the_weights_at_every_forward():
         ref = _run(make_stream("block", emb, L, points, block_size=S), norms, mats)
         out = _run(make_stream("block", emb, L, points, block_size=S, inference=True), norms, mats)
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
-    folded = fold_queries(points, torch.float32)
-    for k, point in enumerate(points):
-        assert torch.equal(folded[k][0], point.proj.weight[0] * point.norm.weight) and folded[k][1] == point.eps
+    for layerwise in (False, True):
+        folded = FoldedQueries(points, torch.float32, layerwise)
+        for k, point in enumerate(points):
+            assert torch.equal(folded[k][0], point.proj.weight[0] * point.norm.weight) and folded[k][1] == point.eps
+        assert len(folded.folded) == len(points)
+    layer = FoldedQueries(points, torch.float32, layerwise=True)
+    layer[3]
+    assert sorted(layer.folded) == [2, 3]  # a decoder layer's own points only
     points[4].proj.weight.data.mul_(2.0)
-    assert torch.equal(fold_queries(points, torch.float32)[4][0], 2 * folded[4][0])  # fresh tensors at every call
+    assert torch.equal(FoldedQueries(points, torch.float32)[4][0], 2 * folded[4][0])  # fresh tensors at every forward
 
 
 def test_the_first_point_checks_what_the_kernel_takes():
