@@ -413,7 +413,7 @@ def real_upcycle_section(data: dict) -> list[str]:
         f"Every arm starts at the pretrained model's own loss ({', '.join(f'{v:.4f}' for v in summary['step0_val_loss'])}"
         " at step 0: the conversion is exact). "
         + (f"Compute-matched: Block's steps took {ratio:.2f}x standard's (measured side by side in the study's "
-           f"process, beside other jobs), so standard trains {matched['standard_steps']} steps in Block's time; Block "
+           f"process, 1 thread), so standard trains {matched['standard_steps']} steps in Block's time; Block "
            f"minus that run: {interval(matched['gap'])}, {matched['verdict']}. " if ratio else "")
         + (f"With {seeds} seed{'s' if seeds != 1 else ''} of every arm so far, this is no verdict yet: the study "
            "resumes from its ledger (`python -m experiments.real_upcycle`) until every arm has 3 seeds. "
