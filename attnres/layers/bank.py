@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from attnres.layers.depth_attention import FoldedQueries, local_weight
-from attnres.layers.residuals import BlockResidual
+from attnres.layers.residuals import BlockResidual, without_autograd
 from attnres.ops.backends import select_backend
 from attnres.ops.bank import bank_aggregate, bank_aggregate_op, bank_merge, bank_merge_op, bank_rows
 from attnres.ops.depth_attention import accumulator_dtype, flat_tokens
@@ -93,11 +93,7 @@ class BlockBank(BlockResidual):
         return -(-layer // self.block_size) if point % 2 == 0 else layer // self.block_size + 1
 
     def _read(self, state, point, norm):
-        if not torch.is_grad_enabled():  # entering no_grad costs as much as a decode point's kernel
-            return self._read_no_grad(state, point, norm)
-        # a with block, not the decorator: dynamo cannot trace the decorator's closure (a bound method)
-        with torch.no_grad():
-            return self._read_no_grad(state, point, norm)
+        return without_autograd(self._read_no_grad, state, point, norm)
 
     def _read_no_grad(self, state, point, norm):
         bank, prefix, pending, stats = state.bank, state.prefix, state.pending, state.stats

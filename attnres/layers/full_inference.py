@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from attnres.layers.depth_attention import FoldedQueries, local_weight
-from attnres.layers.residuals import FullResidual
+from attnres.layers.residuals import FullResidual, without_autograd
 from attnres.ops.backends import select_backend
 from attnres.ops.depth_attention import accumulator_dtype, torch_depth_attention_fwd
 
@@ -39,9 +39,5 @@ class FullInference(FullResidual):
         c, eps = self.folded[point]
         out_w = None if norm is None else local_weight(norm.weight)
         out_eps = eps if norm is None else self._out_eps(norm, num_sources)
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                mix = self._forward(sources, c, out_w, eps, out_eps)[0]
-        else:  # entering no_grad costs as much as a decode point's kernel
-            mix = self._forward(sources, c, out_w, eps, out_eps)[0]
+        mix = without_autograd(self._forward, sources, c, out_w, eps, out_eps)[0]
         return (mix if norm is not None else self._finish_unfused(mix, num_sources)), state

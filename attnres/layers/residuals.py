@@ -37,6 +37,15 @@ from attnres.ops.backends import TORCH, backend_for
 from attnres.ops.two_phase import SoftmaxStats
 
 
+def without_autograd(fn, *args):
+    """`fn(*args)` with autograd off, entering `no_grad` only where it is on: at decode, entering it costs as much as
+    a point's kernel (a with block, not the decorator: dynamo cannot trace the decorator's closure)."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    with torch.no_grad():
+        return fn(*args)
+
+
 class ResidualState(NamedTuple):
     """The residual state a read or write takes and returns; between two decoder layers, what layer i hands layer
     i + 1 (docs/design.md section 7).

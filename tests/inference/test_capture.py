@@ -6,7 +6,8 @@ import torch
 
 from attnres import naive_depth_attention
 from attnres.models import AttnResForCausalLM
-from tests.models.test_invariants import random_attnres_model, reference_sources
+from attnres.models.naive import schedule_sources
+from tests.models.test_invariants import random_attnres_model
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -52,7 +53,7 @@ def test_capture_is_the_mixture_the_next_point_forms(tiny_config, residual, bloc
         if residual == "standard":
             expected = sum(v[: j + 1])  # the residual sum, the usual capture
         else:
-            sources = reference_sources(v, j, residual, block_size)
+            sources = schedule_sources(v, j, residual, block_size)
             point = points[j]
             expected = naive_depth_attention(sources, point.proj.weight, point.norm.weight, eps=point.eps)
             expected = expected * len(sources) if rescale else expected  # what the next PreNorm sees

@@ -33,9 +33,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 import attnres
 from attnres import naive_depth_attention
 from attnres.models import AttnResConfig, AttnResForCausalLM
-from attnres.models.naive import naive_logits
+from attnres.models.naive import naive_logits, schedule_sources
 from tests.models import TINY
-from tests.models.test_invariants import reference_sources
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 64
@@ -204,7 +203,7 @@ def reference_logits(family: str, model: AttnResForCausalLM, ids: torch.Tensor, 
     v = [captured["v0"][0]]
 
     def read(j: int, owner: nn.Module, prefix: str, prenorm: nn.Module) -> torch.Tensor:
-        sources = reference_sources(v, j, residual, BLOCK_SIZE)
+        sources = schedule_sources(v, j, residual, BLOCK_SIZE)
         key_norm = getattr(owner, f"{prefix}_norm")
         mix = naive_depth_attention(sources, getattr(owner, f"{prefix}_proj").weight, key_norm.weight, eps=key_norm.eps)
         return prenorm(mix * len(sources))

@@ -3,8 +3,8 @@
 1. Zero pseudo-queries: Full and Block models compute the standard PreNorm model's function, exactly with
    `attn_res_rescale_mixture`, up to the RMSNorm eps without it.
 2. Zero queries cannot see a wrong block grouping, so with random nonzero queries the model is compared with the
-   schedule of docs/design.md section 3 written out by sublayer index (no bank, no prefix), on the model's own
-   submodules.
+   schedule of docs/design.md section 3 written out by sublayer index (`attnres.models.naive.schedule_sources`: no bank,
+   no prefix), on the model's own submodules.
 """
 
 import pytest
@@ -12,6 +12,7 @@ import torch
 
 from attnres import naive_depth_attention
 from attnres.models import AttnResForCausalLM
+from attnres.models.naive import schedule_sources
 
 ATTNRES_KEYS = ("_res_proj.weight", "_res_norm.weight")
 
@@ -80,19 +81,6 @@ def test_zero_queries_without_rescale_differ_from_standard_only_by_eps(tiny_conf
                 assert err < 1e-5 if agree else err > 1e-3, (eps, residual, size, err)
 
 
-def reference_sources(v: list[torch.Tensor], j: int, residual: str, block_size: int) -> list[torch.Tensor]:
-    """Sources of the aggregation point before sublayer j (j = 2L: the final read); v[0] is the embedding and
-    v[i + 1] the output of sublayer i. Block: 2 * block_size sublayers a block; the sources are the embedding, the
-    sums of the completed blocks and, if it has begun, the sum of the current block so far."""
-    if residual == "full":
-        return v[: j + 1]
-    per_block = 2 * block_size
-    completed = j // per_block
-    summaries = [v[0]] + [sum(v[1 + b * per_block : 1 + (b + 1) * per_block]) for b in range(completed)]
-    current = v[1 + completed * per_block : j + 1]
-    return summaries + ([sum(current)] if current else [])
-
-
 def reference_logits(model, ids: torch.Tensor, residual: str, block_size: int) -> torch.Tensor:
     """docs/design.md section 3, one sublayer at a time, with the unfused naive op and the PreNorm modules applied after
     it."""
@@ -102,7 +90,7 @@ def reference_logits(model, ids: torch.Tensor, residual: str, block_size: int) -
     rotary = inner.rotary_emb(v[0], torch.arange(ids.shape[1])[None])  # the family's (cos, sin)
 
     def read(j, proj, key_norm, prenorm):
-        sources = reference_sources(v, j, residual, block_size)
+        sources = schedule_sources(v, j, residual, block_size)
         mix = naive_depth_attention(sources, proj.weight, key_norm.weight, eps=key_norm.eps)
         return prenorm(mix * len(sources) if config.attn_res_rescale_mixture else mix)
 
