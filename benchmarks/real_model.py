@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from attnres.atomic import atomic_write_text
-from attnres.bench.models import decode_step
+from attnres.bench.models import decode_step, fast_norms
 from attnres.bench.timing import round_times
 from attnres.layers.kinds import BLOCK, FULL, STANDARD
 
@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=64, help="tokens in the KV cache at decode (default: %(default)s)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: cuda if present)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--family-norms", action="store_true",
+                   help="keep transformers' Python RMSNorm in every model instead of the fastest plain norm")
     p.add_argument("--profile", choices=CASES, default=None,
                    help="instead of timing, print a torch.profiler table of one call of each model in this case")
     p.add_argument("--json", default="docs/real_model.json", help="where to write the figures (default: %(default)s)")
@@ -76,9 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_models(source: str | dict, dtype: torch.dtype, device: str, block_size: int) -> dict:
+def load_models(source: str | dict, dtype: torch.dtype, device: str, block_size: int, family_norms: bool) -> dict:
     """The original model (from a folder, or a llama config's fields with random weights) and its standard, Block and
-    Full conversions, in `dtype` on `device`. The standard conversion is the AttnRes decoder layer with the plain
+    Full conversions, in `dtype` on `device`, every RMSNorm the fastest plain norm (`attnres.bench.models.fast_norms`:
+    transformers' own is Python ops, slower than the PreNorm an AttnRes read fuses) unless `family_norms`. The standard conversion is the AttnRes decoder layer with the plain
     residual sum: what the layer costs apart from the depth attention."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -89,12 +92,16 @@ def load_models(source: str | dict, dtype: torch.dtype, device: str, block_size:
         original = LlamaForCausalLM(LlamaConfig(**source)).to(device, dtype)
     else:
         original = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
-    return {
+    models = {
         ORIGINAL: original,
         STANDARD: convert_from_hf(copy.deepcopy(original), residual=STANDARD),
         BLOCK: convert_from_hf(copy.deepcopy(original), residual=BLOCK, attn_res_block_size=block_size),
         FULL: convert_from_hf(copy.deepcopy(original), residual=FULL),
     }
+    if not family_norms:  # every model's norms as fast as a plain norm gets: the original's included
+        for model in models.values():
+            fast_norms(model, {type(original.model.norm)})
+    return models
 
 
 def real_tokens(source: str | dict, count: int) -> torch.Tensor:
@@ -177,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = real_tokens(source, max(args.batch * args.tokens, args.context + 1))
     results = []
     for dtype_name in args.dtypes:
-        models = load_models(source, DTYPES[dtype_name], args.device, args.block_size)
+        models = load_models(source, DTYPES[dtype_name], args.device, args.block_size, args.family_norms)
         for case in args.cases:
             fns = case_functions(case, models, tokens, args)
             if args.profile == case:
@@ -195,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         "model": name, "block_size": args.block_size, "device": args.device,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
         "train_shape": [args.batch, args.tokens], "decode": {"batch": 1, "context": args.context},
-        "rounds": args.rounds, "decode_rounds": args.decode_rounds, "warmup": args.warmup, "command": "python -m benchmarks.real_model " + " ".join(sys.argv[1:]),
+        "rounds": args.rounds, "decode_rounds": args.decode_rounds, "warmup": args.warmup,
+        "norms": "family" if args.family_norms else "fastest plain (attnres.bench.models.fast_norms)",
+        "command": "python -m benchmarks.real_model " + " ".join(sys.argv[1:]),
         "results": results,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -87,17 +87,20 @@ class FastRMSNorm(RMSNorm):
         return _fast_rms_norm(self, self.eps, x)
 
 
-def fast_norms(model: AttnResForCausalLM) -> int:
+def fast_norms(model: nn.Module, classes: set[type] | None = None) -> int:
     """Give every plain RMSNorm of `model` (the family class the AttnRes wiring fuses into its aggregation) the fastest
     plain norm there is: the fused kernel when training (torch's own rms_norm backward is decomposed into elementwise
     ops on CPU, about 4x slower at d=512), torch's fused `rms_norm` without autograd. Set as each module's forward on
     the instance, so its class, and with it the fusion of the AttnRes PreNorms, stays. The standard baseline then has
     fused norms as AttnRes does (with the unfused Python norm, ratios below 1 would be partly the baseline's).
-    Returns the number of norms replaced."""
-    model.plan_layers()
-    classes = {
-        type(getattr(layer, side.norm)) for layer in model.model.layers for side in layer.sides if side.fused_eps is not None
-    }
+    `classes`: the norm classes to replace (default: those the AttnRes model's layer plan fuses; for a model of the
+    family itself, its RMSNorm class). Returns the number of norms replaced."""
+    if classes is None:
+        model.plan_layers()
+        classes = {
+            type(getattr(layer, side.norm)) for layer in model.model.layers for side in layer.sides
+            if side.fused_eps is not None
+        }
     count = 0
     for module in model.modules():
         if type(module) in classes:
