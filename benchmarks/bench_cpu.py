@@ -19,14 +19,16 @@ of one call (median). The kernel asks for transparent huge pages for its outputs
 allocations under THP_MEM_ALLOC_ENABLE=1, so run once with and once without it to see how much of a difference is
 page faults.
 
-A process's timings can differ from the next one's for its whole life (the fp32 forward has been seen at 0.9x or at
-2-3.5x `torch.sum` depending on the process), so `--processes N` runs the whole measurement in N fresh processes, one
-after another, and reports each case's spread over them (the median, least and most of the per-process medians, and of
-its ratio to `torch.sum`) beside every process's own figures.
+Arithmetic on subnormal floats takes a microcode assist on x86; the kernels read subnormal inputs as zero and flush
+subnormal results (FlushSubnormals in the C++ source), and `--subnormal F` makes a fraction F of the source entries
+subnormal to show it. `--processes N` runs the whole measurement in N fresh processes, one after another, and reports
+each case's spread over them (the median, least and most of the per-process medians, and of its ratio to `torch.sum`)
+beside every process's own figures.
 
     python -m benchmarks.bench_cpu                        # R=9, T=4096, d=2048, S=8 queries, fp32 and bf16
     THP_MEM_ALLOC_ENABLE=1 python -m benchmarks.bench_cpu --repeats 15 --json cpu.json
-    python -m benchmarks.bench_cpu --processes 6 --dtypes fp32 --queries 0 --json docs/bench_cpu_processes.json
+    python -m benchmarks.bench_cpu --processes 10 --dtypes fp32,bf16 --queries 0 --subnormal 0.01 \
+        --json docs/bench_cpu_processes.json
 """
 
 from __future__ import annotations
@@ -90,11 +92,16 @@ def peak_extra_bytes(fn: Callable[[], object]) -> int:
     return peak - sum(t.nbytes for t in result)
 
 
+def with_subnormals(x: torch.Tensor, fraction: float) -> torch.Tensor:
+    """x with `fraction` of its entries replaced by a subnormal number of its dtype."""
+    return x.masked_fill(torch.rand(x.shape) < fraction, torch.finfo(x.dtype).tiny / 8) if fraction else x
+
+
 def dtype_cases(dtype: torch.dtype, args: argparse.Namespace) -> tuple[dict[str, Case], dict[str, Callable]]:
     """The timed cases of one dtype, and the forwards whose memory is measured."""
     R, T, d = args.sources, args.tokens, args.dim
     e = torch.finfo(dtype).bits // 8
-    sources = [torch.randn(T, d).to(dtype) for _ in range(R)]
+    sources = [with_subnormals(torch.randn(T, d).to(dtype), args.subnormal) for _ in range(R)]
     stacked = torch.stack(sources)
     c = torch.randn(d) / d**0.5
     grad_out = torch.randn(T, d).to(dtype)
@@ -248,6 +255,8 @@ def main() -> None:
                         help="rounds of the slow torch path; 0 leaves it out (default 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    parser.add_argument("--subnormal", type=float, default=0.0,
+                        help="fraction of the source entries made subnormal (default 0; see the kernels' FlushSubnormals)")
     parser.add_argument("--processes", type=int, default=1,
                         help="run everything in this many fresh processes and report the spread (default 1)")
     args = parser.parse_args()
@@ -260,6 +269,8 @@ def main() -> None:
         parser.error("--queries must be at least 0")
     if args.processes < 1:
         parser.error("--processes must be at least 1")
+    if not 0 <= args.subnormal <= 1:
+        parser.error(f"--subnormal must be a fraction in [0, 1], got {args.subnormal}")
     if args.processes > 1:
         results = over_processes(args, names)
         print_spread(results["spread"], args.processes)

@@ -16,8 +16,9 @@ The paper reports under 4% for training and under 2% for inference (Kimi K3 scal
     python -m benchmarks.real_model --random-weights                # the same shapes, nothing to download
     python -m benchmarks.real_model --profile train --dtypes fp32   # where the time goes: torch.profiler tables
 
-The cost does not depend on the weights' values: `--random-weights` builds SmolLM2-135M's architecture from its
-config (below) with a random init, for a machine without network (the GPU check's stage).
+Apart from subnormal floats (flushed to zero in every model unless `--keep-subnormals`), the cost does not depend on
+the weights' values: `--random-weights` builds SmolLM2-135M's architecture from its config (below) with a random
+init, for a machine without network (the GPU check's stage).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 
 from attnres.atomic import atomic_write_text
 from attnres.bench.models import decode_step, fast_norms
-from attnres.bench.timing import round_times
+from attnres.bench.timing import SUBNORMALS_HELP, flush_subnormals, round_times
 from attnres.layers.kinds import BLOCK, FULL, STANDARD
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -68,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--family-norms", action="store_true",
                    help="keep transformers' Python RMSNorm in every model instead of the fastest plain norm")
+    p.add_argument("--keep-subnormals", action="store_true", help=SUBNORMALS_HELP)
     p.add_argument("--profile", choices=CASES, default=None,
                    help="instead of timing, print a torch.profiler table of one call of each model in this case")
     p.add_argument("--json", default="docs/real_model.json", help="where to write the figures (default: %(default)s)")
@@ -172,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    subnormals = flush_subnormals(args.keep_subnormals)
     if args.smoke or args.random_weights:
         source, name = (SMOKE, "llama (smoke sizes), random weights") if args.smoke else (
             SMOLLM2_135M, "SmolLM2-135M architecture, random weights")
@@ -204,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_shape": [args.batch, args.tokens], "decode": {"batch": 1, "context": args.context},
         "rounds": args.rounds, "decode_rounds": args.decode_rounds, "warmup": args.warmup,
         "norms": "family" if args.family_norms else "fastest plain (attnres.bench.models.fast_norms)",
+        "subnormals": subnormals,
         "command": "python -m benchmarks.real_model " + " ".join(sys.argv[1:]),
         "results": results,
     }

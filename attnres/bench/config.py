@@ -15,7 +15,8 @@ class SuiteConfig:
     """Sizes of every case. Defaults: the operator at R = 9, T = 4096, d = 2048, a model with
     d = 512, 8 decoder layers, T = 1024, the residual streams of 32 layers at the model's T and d, and the
     small model of `attnres compare`. `family_norms` keeps the family's Python RMSNorm in the
-    models instead of the fastest plain norm (`models.fast_norms`)."""
+    models instead of the fastest plain norm (`models.fast_norms`); `keep_subnormals` keeps subnormal floats
+    instead of flushing them to zero (`timing.flush_subnormals`)."""
 
     sources: int = 9  # R
     tokens: int = 4096  # T of the operator cases
@@ -41,6 +42,7 @@ class SuiteConfig:
     small_tokens: int = 128
     small_repeats: int = 15
     family_norms: bool = False
+    keep_subnormals: bool = False
     compile: bool = True
     compile_timeout: float = 120.0
     groups: tuple[str, ...] = GROUPS

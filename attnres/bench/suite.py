@@ -10,7 +10,7 @@ import torch
 from attnres.bench import models
 from attnres.bench.cases import CaseResult, CompiledPeer, bank_case, operator_cases, stream_cases
 from attnres.bench.config import SuiteConfig
-from attnres.bench.timing import copy_bandwidth, round_times
+from attnres.bench.timing import copy_bandwidth, flush_subnormals, round_times
 
 
 @dataclass
@@ -80,7 +80,9 @@ def small_model_case(cfg: SuiteConfig) -> CaseResult:
 
 
 def run_suite(cfg: SuiteConfig, log=print) -> SuiteResult:
-    """Measure the copy bandwidth, then every case of `cfg.groups`; `log` gets one line per case as it finishes."""
+    """Measure the copy bandwidth, then every case of `cfg.groups`; `log` gets one line per case as it finishes.
+    Subnormal floats are flushed to zero for the rest of the process unless `cfg.keep_subnormals`."""
+    subnormals = flush_subnormals(cfg.keep_subnormals)
     torch.manual_seed(cfg.seed)
     notes: list[str] = []
     bandwidth = copy_bandwidth(cfg.copy_mib * 2**20, repeats=max(cfg.repeats, 3))
@@ -111,6 +113,7 @@ def run_suite(cfg: SuiteConfig, log=print) -> SuiteResult:
         add([small_model_case(cfg)])
     notes.append("models: the family's Python RMSNorm" if cfg.family_norms else
                  "models: every plain RMSNorm the fastest available (attnres.bench.models.fast_norms)")
+    notes.append(f"subnormal floats: {subnormals}")
     machine = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                "cpu": platform.processor() or platform.machine()}
     return SuiteResult(cfg, bandwidth, cases, notes, machine)

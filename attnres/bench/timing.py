@@ -13,6 +13,21 @@ from collections.abc import Callable, Mapping
 import torch
 
 
+SUBNORMALS_HELP = (
+    "keep subnormal floats (default: flush them to zero in every model alike, torch.set_flush_denormal: on x86 each "
+    "operation on one takes a microcode assist, and which model meets them depends on its weights; a depth softmax "
+    "that gives a source a tiny weight gives it a tiny gradient, whose products underflow in the matmuls)"
+)
+
+
+def flush_subnormals(keep: bool) -> str:
+    """Unless `keep`, flush subnormal floats to zero in this thread and in the CPU threads started after it (call it
+    before the first parallel op); returns what the record should say."""
+    if keep or not torch.set_flush_denormal(True):
+        return "kept"
+    return "flushed (torch.set_flush_denormal)"
+
+
 def _sync(device: torch.device | str) -> Callable[[], None]:
     return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 

@@ -9,6 +9,7 @@ import torch
 
 from attnres.bench import SuiteConfig, run_suite
 from attnres.bench.config import DTYPES, GROUPS
+from attnres.bench.timing import SUBNORMALS_HELP
 from attnres.bench.report import markdown_table, write_chart, write_json
 
 DEFAULTS = SuiteConfig()
@@ -39,6 +40,7 @@ def register(sub) -> None:
     p.add_argument("--family-norms", action="store_true",
                    help="keep the family's Python RMSNorm in the models (default: the fastest plain norm for all)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
+    p.add_argument("--keep-subnormals", action="store_true", help=SUBNORMALS_HELP)
     p.add_argument("--compile-timeout", type=float, default=None,
                    help="skip the compiled peer once one compile takes longer, seconds "
                    f"(default: {DEFAULTS.compile_timeout:g})")
@@ -71,6 +73,7 @@ def config_from_args(args) -> SuiteConfig:
         given["dtypes"] = tuple(args.dtypes)
     given["compile"] = not args.no_compile
     given["family_norms"] = args.family_norms
+    given["keep_subnormals"] = args.keep_subnormals
     return SuiteConfig.quick(**given) if args.quick else SuiteConfig(**given)
 
 

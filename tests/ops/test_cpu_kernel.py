@@ -153,7 +153,7 @@ def exact_score_case(tokens, n_src=13, d=32, scale=1.0, seed=0):
 def test_fp32_weights_are_softmax_to_a_few_ulp():
     """The fp32 forward takes exp per lane (exp_lanes, a polynomial): on exact scores spread over e^0 .. e^-150 its
     weights are fp64's softmax to 5 units of 2^-24 where they are normal (torch's own fp32 softmax is off by up to
-    3.3 on such cases), and to one subnormal unit below (down to exact zeros where e^s underflows)."""
+    3.3 on such cases), and exactly zero below FLT_MIN (the kernels flush subnormals: FlushSubnormals)."""
     sources, c, expected = exact_score_case(53, scale=2.0)
     _, weights, rstd = cpu.cpu_depth_attention_fwd(sources, c, None, 0.0, OUT_EPS)
     assert torch.equal(rstd, torch.full_like(rstd, 0.5)), "the case's scores are not exact"
@@ -162,7 +162,39 @@ def test_fp32_weights_are_softmax_to_a_few_ulp():
     err = (weights.double() - expected).abs()
     normal = expected >= tiny
     assert (err[normal] / expected[normal]).max() <= 5 * 2.0**-24
-    assert err[~normal].max() <= 2.0**-149
+    assert torch.equal(weights[~normal], torch.zeros_like(weights[~normal]))
+
+
+def has_subnormals(t: torch.Tensor) -> bool:
+    return bool(((t != 0) & (t.abs() < torch.finfo(t.dtype).tiny)).any())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_subnormal_inputs_read_as_zero_and_the_callers_mode_is_kept(dtype):
+    """Sources a third subnormal (x86 takes an assist on each): the kernel reads those entries as zero, bit for bit
+    the result of zeros there, within the fp64 oracle's tolerance, and without a subnormal in any result; the thread
+    that called it still computes subnormals afterwards."""
+    assert torch.set_flush_denormal(False), "no DAZ/FTZ on this CPU"
+    sources, c, out_w, grad_out, grad_weights = make_case(6, (64,), 96, dtype, True, True)
+    tiny = torch.finfo(dtype).tiny
+    zeroed = []
+    for j, x in enumerate(sources):
+        where = torch.rand(x.shape, generator=torch.Generator().manual_seed(j)) < 1 / 3
+        zeroed.append(x.masked_fill(where, 0))
+        x[where] = tiny / 8
+    assert all(has_subnormals(x) for x in sources)
+
+    def run(xs):
+        out, weights, rstd = cpu.cpu_depth_attention_fwd(xs, c, out_w, EPS, OUT_EPS)
+        grads, dc, d_out_w = cpu.cpu_depth_attention_bwd(grad_out, grad_weights, xs, c, out_w, weights, rstd, EPS,
+                                                         OUT_EPS)
+        return out, weights, rstd, *grads, dc, d_out_w
+
+    results = run(sources)
+    assert all(torch.equal(a, b) for a, b in zip(results, run(zeroed)))
+    assert not any(has_subnormals(t) for t in results)
+    check_against_oracle(sources, c, out_w, grad_out, grad_weights)
+    assert torch.tensor(tiny, dtype=torch.float32) / 4 > 0, "the kernel left flush-to-zero on in its caller"
 
 
 def test_a_token_is_computed_alone_whatever_its_tile():

@@ -455,6 +455,34 @@ inline int64_t grain_size(int64_t n_src, int64_t d) {  // tokens per task: enoug
   return std::max<int64_t>(1, (int64_t(1) << 16) / (n_src * d));
 }
 
+// x86 takes a microcode assist for every operation on a subnormal float: 1 % subnormal sources made the fp32 forward
+// 2.4x slower and half of them 10x (benchmarks/bench_cpu.py --subnormal), and a softmax over depth makes its own
+// (the exp of a score 88 below the largest). So each thread's share of a kernel runs with subnormal inputs read as
+// zero and subnormal results flushed to zero (MXCSR DAZ | FTZ), and puts the caller's mode back after: a change of
+// less than FLT_MIN (1.2e-38) in any value, the kernels' speed independent of their data.
+class FlushSubnormals {
+#if defined(__x86_64__) || defined(__i386__)
+ public:
+  FlushSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kDaz | kFtz); }
+  ~FlushSubnormals() { _mm_setcsr(saved_); }
+  FlushSubnormals(const FlushSubnormals&) = delete;
+  FlushSubnormals& operator=(const FlushSubnormals&) = delete;
+
+ private:
+  static constexpr unsigned kDaz = 0x0040, kFtz = 0x8000;
+  unsigned saved_;
+#endif
+};
+
+// at::parallel_for over tokens [0, n), every chunk under FlushSubnormals on the thread that runs it.
+template <class F>
+void parallel_tokens(int64_t n, int64_t grain, const F& f) {
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    FlushSubnormals flush;
+    f(begin, end);
+  });
+}
+
 // Bytes of source rows that one token keeps hot between its passes: half of a typical 512 KiB - 2 MiB L2.
 constexpr int64_t kHotBytes = 256 * 1024;
 
@@ -609,7 +637,7 @@ void forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const t
   using R = typename K::raw;
   constexpr int64_t L = ForwardScratch<A>::lanes;
   const int64_t n_src = int64_t(src.size()), tile = tile_tokens(n_src, d, sizeof(R));
-  at::parallel_for(0, n_tok, std::max(grain_size(n_src, d), tile), [&](int64_t begin, int64_t end) {
+  parallel_tokens(n_tok, std::max(grain_size(n_src, d), tile), [&](int64_t begin, int64_t end) {
     ForwardScratch<A> s(n_src, d, std::min(tile, end - begin));  // a decode step's one token: one token's scratch
     std::vector<const R*> x(tile * n_src);
     for (int64_t n0 = begin; n0 < end; n0 += tile) {
@@ -866,7 +894,7 @@ void backward_kernel(const BackwardArgs<K>& a, typename K::acc* dc, typename K::
   // per-thread partial sums of dc and d_out_w, added up in thread order after the loop (deterministic)
   const int64_t n_threads = at::get_num_threads();
   std::vector<A> dc_part(n_threads * d, A(0)), dw_part(a.out_w ? n_threads * d : 0, A(0));
-  at::parallel_for(0, a.n_tok, std::max(grain_size(n_src, d), tile), [&](int64_t begin, int64_t end) {
+  parallel_tokens(a.n_tok, std::max(grain_size(n_src, d), tile), [&](int64_t begin, int64_t end) {
     A* dc_acc = dc_part.data() + at::get_thread_num() * d;
     A* dw_acc = a.out_w ? dw_part.data() + at::get_thread_num() * d : nullptr;
     if (tile == 1) return backward_token<K, Accumulate>(a, begin, end, dc_acc, dw_acc);
@@ -895,7 +923,7 @@ void stats_forward_kernel(const std::vector<Rows<const typename K::raw>>& src, c
   const int64_t group = std::clamp<int64_t>(kHotBytes / (d * int64_t(sizeof(R))), 1, n_src);
   std::vector<const A*> c(n_q);
   for (int64_t q = 0; q < n_q; ++q) c[q] = cs + q * d;
-  at::parallel_for(0, n_tok, grain_size(n_src + n_q, d), [&](int64_t begin, int64_t end) {
+  parallel_tokens(n_tok, grain_size(n_src + n_q, d), [&](int64_t begin, int64_t end) {
     // per group: s[j * n_q + q] (dot products, then scores), p[q * group + j]; per query: running max, sum, rescale
     std::vector<A> sq(group), s(group * n_q), p(n_q * group), mx(n_q), zq(n_q), scale(n_q);
     std::vector<Vec<A>> scratch(2 * group * (n_q + 1));
@@ -948,7 +976,7 @@ void stats_backward_kernel(const typename K::acc* grad_z, Rows<const typename K:
   // per-thread partial sums of dcs, added up in thread order after the loop (deterministic)
   const int64_t n_threads = at::get_num_threads();
   std::vector<A> dcs_part(n_threads * n_q * d, A(0));
-  at::parallel_for(0, n_tok, grain_size(n_src + n_q, d), [&](int64_t begin, int64_t end) {
+  parallel_tokens(n_tok, grain_size(n_src + n_q, d), [&](int64_t begin, int64_t end) {
     A* dcs_acc = dcs_part.data() + at::get_thread_num() * n_q * d;
     // y = [gu_0 .. gu_{S-1}, c_0 .. c_{S-1}]; dots[j * 2S + k] = x_j . y_k, then the weights of y_k in dx_j;
     // coef_t[q * R + j] = coef_qj (the weights of the x_j in dc_q)
@@ -1011,7 +1039,7 @@ void bank_aggregate_kernel(Rows<typename K::raw> bank, int64_t row_stride, int64
   using R = typename K::raw;
   const int64_t n_src = nvb + 1;  // the bank rows and the prefix (which is bank row nvb at a write point)
   const int64_t tile = tile_tokens(n_src, d, sizeof(R));
-  at::parallel_for(0, n_tok, std::max(grain_size(n_src, d), tile), [&](int64_t begin, int64_t end) {
+  parallel_tokens(n_tok, std::max(grain_size(n_src, d), tile), [&](int64_t begin, int64_t end) {
     ForwardScratch<typename K::acc> s(n_src, d, std::min(tile, end - begin));
     std::vector<const R*> x(tile * n_src);
     for (int64_t n0 = begin; n0 < end; n0 += tile) {
@@ -1036,7 +1064,7 @@ void bank_merge_kernel(const typename K::acc* m, const typename K::acc* z, Rows<
                        const typename K::acc* out_w, double eps, double out_eps, int64_t n_tok, int64_t d,
                        typename K::raw* out) {
   using A = typename K::acc;
-  at::parallel_for(0, n_tok, grain_size(2, d), [&](int64_t begin, int64_t end) {
+  parallel_tokens(n_tok, grain_size(2, d), [&](int64_t begin, int64_t end) {
     std::vector<A> x(d), acc(d);
     Vec<A> scratch[4];
     for (int64_t n = begin; n < end; ++n) {
