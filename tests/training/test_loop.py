@@ -259,3 +259,13 @@ def test_base_config_overrides_the_sizes_build_model_derives(tmp_path, field, va
     config = tiny(tmp_path, base="qwen3_moe", base_config={"num_experts": 4, "num_experts_per_tok": 2, field: value})
     model = build_model(config, vocab_size=256)
     assert getattr(model.config, field) == value
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["flushed", "kept"])
+def test_a_cpu_run_flushes_subnormals_unless_told_to_keep_them(tmp_path, keep):
+    """x86 takes an assist per operation on a subnormal float, and a depth softmax's tiny weights make them in the
+    sublayers' backward: a CPU run flushes them to zero process-wide (torch.set_flush_denormal) unless kept."""
+    subnormal = torch.tensor(torch.finfo(torch.float32).tiny) / 4
+    assert subnormal > 0, "this test expects torch's default, subnormals kept"
+    train(tiny(tmp_path, steps=2, eval_interval=2, keep_subnormals=keep))
+    assert (torch.tensor(torch.finfo(torch.float32).tiny) / 4 > 0) == keep
