@@ -20,7 +20,7 @@ import torch
 
 from attnres import depth_attention, naive_depth_attention
 from attnres.bench.timing import median_seconds
-from attnres.ops.backends import select_backend
+from attnres.ops.registry import backend_name
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EPS = 1e-6
@@ -80,7 +80,7 @@ def bench_dtype(dtype: torch.dtype, args: argparse.Namespace) -> list[tuple[str,
         seconds = median_seconds(forward_backward(impl), args.repeats, args.warmup, device)
         rows.append((name, "fwd+bwd", seconds, fwd_bytes + bwd_bytes))
         if name == "attnres":
-            rows[-2:] = [(f"attnres[{select_backend(sources[0]).name}]", *row[1:]) for row in rows[-2:]]
+            rows[-2:] = [(f"attnres[{backend_name(sources[0])}]", *row[1:]) for row in rows[-2:]]
         gc.collect()
     return rows
 

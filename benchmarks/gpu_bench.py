@@ -272,7 +272,7 @@ def unfused_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, o
 
 def torch_bank_merge(*args):
     """`bank_merge` on its torch-op path (the backend forced to torch for the call)."""
-    from attnres.ops.backends import BACKEND_ENV
+    from attnres.ops.registry import BACKEND_ENV
     from attnres.ops.bank import bank_merge
 
     saved = os.environ.get(BACKEND_ENV)

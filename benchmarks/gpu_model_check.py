@@ -62,10 +62,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from attnres.atomic import atomic_write_text  # noqa: E402
 from attnres.models import AttnResConfig, AttnResForCausalLM  # noqa: E402
+from attnres.ops.depth_attention import point_kernels_from  # noqa: E402
 from attnres.ops.triton.depth_attention import SINGLE_CONFIG_ENV  # noqa: E402
 
 MIB = 2**20
-KERNEL_OPS = ("fwd", "bwd", "bwd_into", "stats_fwd", "stats_bwd", "bank_aggregate", "bank_merge", "merge_fwd", "merge_bwd")
 OP_TESTS = ["tests/ops/test_triton.py", "tests/ops/test_triton_bank.py", "tests/ops/test_merge.py"]
 # the targets a GPU run is held to
 TARGETS = {"op fwd of HBM peak": 0.85, "train block/standard": 1.03, "decode block/standard": 1.02}
@@ -129,9 +129,10 @@ PARITY_CASES = [
 ]
 # the kernels a case must have called on the Triton path (a fallback to torch would call none)
 EXPECTED_KERNELS = {
-    ("block", True): ("stats_fwd", "stats_bwd", "merge_fwd", "merge_bwd"),
-    ("block", False): ("fwd", "bwd"),
-    ("full", None): ("fwd", "bwd_into"),  # training: the points form a chain (attnres/ops/chain.py)
+    ("block", True): ("depth_stats_fwd", "depth_stats_bwd", "merge_prefix_fwd", "merge_prefix_bwd"),
+    ("block", False): ("depth_attention_fwd", "depth_attention_bwd"),
+    # training: the points form a chain (attnres/ops/chain.py)
+    ("full", None): ("depth_attention_fwd", "depth_attention_bwd_into"),
 }
 ERROR_FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
 # a stage's most seconds and the least it is worth starting with, in the order they run: by value, the headline
@@ -172,14 +173,16 @@ class KernelCounts:
     interpreter), so the same kernels run there."""
 
     def __init__(self, smoke: bool):
-        from attnres.ops import backends
+        from attnres.ops import registry
+        from attnres.ops.triton import KERNELS as triton
 
-        triton = backends._triton_backend()
-        if triton is None:
-            raise RuntimeError("the Triton backend does not import")
         self.calls: collections.Counter = collections.Counter()
-        counted = {op: self._counted(op, getattr(triton, op)) for op in KERNEL_OPS if getattr(triton, op)}
-        backends._cache["cpu" if smoke else "triton"] = dataclasses.replace(triton, **counted)
+        # the point kernels are composed from the counted one-shot ones: a point counts once, as its one-shot kernel
+        point_ops = {"point_fwd", "point_bwd", "point_bwd_into"}
+        counted = {op: self._counted(op, fn) for op, fn in triton.kernels.items() if op not in point_ops}
+        counted |= point_kernels_from(counted["depth_attention_fwd"], counted["depth_attention_bwd"],
+                                      counted["depth_attention_bwd_into"])
+        registry.register_backend("cpu" if smoke else "cuda", dataclasses.replace(triton, kernels=counted))
 
     def _counted(self, op: str, fn):
         @functools.wraps(fn)
@@ -198,7 +201,7 @@ class KernelCounts:
 @contextlib.contextmanager
 def backend(name: str):
     """`ATTNRES_BACKEND` for the block: "auto" (the Triton kernels here) or "torch"."""
-    from attnres.ops.backends import BACKEND_ENV
+    from attnres.ops.registry import BACKEND_ENV
 
     saved = os.environ.get(BACKEND_ENV)
     os.environ[BACKEND_ENV] = name

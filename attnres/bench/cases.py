@@ -22,7 +22,7 @@ from attnres.bench.models import FastRMSNorm
 from attnres.bench.timing import median_times
 from attnres.layers import DepthAttention, make_stream
 from attnres.ops import depth_attention
-from attnres.ops.backends import select_backend
+from attnres.ops.registry import backend_name
 from attnres.ops.bank import bank_aggregate
 from attnres.ops.naive import naive_bank_aggregate, naive_depth_attention
 
@@ -108,7 +108,7 @@ class CompiledPeer:
 
 def _with_backend(name: str, x: torch.Tensor) -> str:
     """`name[backend]`, the backend that serves tensors like `x`."""
-    return f"{name}[{select_backend(x).name}]"
+    return f"{name}[{backend_name(x)}]"
 
 
 def _timed(

@@ -25,8 +25,8 @@ import torch
 
 from attnres.layers.depth_attention import FoldedQueries, local_weight
 from attnres.layers.residuals import BlockResidual, without_autograd
-from attnres.ops.backends import select_backend
-from attnres.ops.bank import bank_aggregate, bank_aggregate_op, bank_merge, bank_merge_op, bank_rows
+from attnres.ops.registry import kernel
+from attnres.ops.bank import bank_aggregate_op, bank_merge_op, bank_rows
 from attnres.ops.depth_attention import accumulator_dtype, flat_tokens
 from attnres.ops.two_phase import depth_stats_fwd
 
@@ -132,9 +132,7 @@ class BlockBank(BlockResidual):
         if torch.compiler.is_compiling():
             self._aggregate, self._merge = bank_aggregate_op, bank_merge_op
         else:
-            backend = select_backend(x)
-            self._aggregate = backend.bank_aggregate or bank_aggregate
-            self._merge = backend.bank_merge or bank_merge
+            self._aggregate, self._merge = kernel("bank_aggregate", x), kernel("bank_merge", x)
 
     def _score_group(self, bank: torch.Tensor, nvb: int, point: int) -> tuple | None:
         """Phase 1 for the next group of the block's points from `point` against the `nvb` complete rows, each row read

@@ -18,8 +18,8 @@ import torch
 
 from attnres.layers.depth_attention import FoldedQueries, local_weight
 from attnres.layers.residuals import FullResidual, without_autograd
-from attnres.ops.backends import select_backend
-from attnres.ops.depth_attention import accumulator_dtype, torch_depth_attention_fwd
+from attnres.ops.registry import kernel
+from attnres.ops.depth_attention import accumulator_dtype
 
 
 class FullInference(FullResidual):
@@ -35,7 +35,7 @@ class FullInference(FullResidual):
         num_sources = len(sources)
         if self._forward is None:
             self.folded = FoldedQueries(self.points, accumulator_dtype(sources[0].dtype), self.layerwise)
-            self._forward = select_backend(sources[0]).fwd or torch_depth_attention_fwd
+            self._forward = kernel("depth_attention_fwd", sources[0])
         c, eps = self.folded[point]
         out_w = None if norm is None else local_weight(norm.weight)
         out_eps = eps if norm is None else self._out_eps(norm, num_sources)

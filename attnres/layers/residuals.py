@@ -33,7 +33,7 @@ from torch import nn
 
 from attnres.layers.depth_attention import DepthAttention, local_weight
 from attnres.ops import depth_stats, merge_prefix
-from attnres.ops.backends import TORCH, backend_for
+from attnres.ops.registry import PORTABLE, backend_for
 from attnres.ops.two_phase import SoftmaxStats
 
 
@@ -321,8 +321,9 @@ def backend_takes_two_phase(device_type: str, dtype: torch.dtype, d: int, stats_
     """False where the backend says two-phase never pays there (in `training`), or where it has a one-shot kernel but
     no phase-1 kernel for `stats_rows` rows or queries (its kernel beats torch ops)."""
     one_shot = backend_for(device_type, dtype, d)
-    phase1 = backend_for(device_type, dtype, d, stats_rows)
-    return (one_shot.two_phase_trains or not training) and not phase1.name == TORCH.name != one_shot.name
+    phase1 = backend_for(device_type, dtype, d, "depth_stats_fwd", stats_rows)
+    phase1_falls_back = phase1 is PORTABLE and one_shot is not PORTABLE
+    return (one_shot.two_phase_trains or not training) and not phase1_falls_back
 
 
 # Traced, the first selection would probe (and build) the CPU kernel: a constant to torch.compile. This is what

@@ -250,7 +250,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
         # (the checkpointing switch is a walk over every module: asked only in training)
         backward = torch.is_grad_enabled() or (self.training and self.is_activation_checkpointing)
         points = self.aggregation_points()
-        self._refuse_row_routing(points or ())
+        if getattr(self, "peft_config", None):  # PEFT's adapters are set (PEFT's tuners set it, unloading removes it)
+            self._refuse_row_routing(points or ())
         residual = residual_for(self.config, points, backward=backward, records=records,
                                 layerwise=isinstance(self.model.layers[0], FSDPModule))
         token = ACTIVE_RESIDUAL.set(residual)

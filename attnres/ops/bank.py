@@ -15,18 +15,18 @@ state owns them, so no new `[N, d]` buffer is made per point.
 Dispatch: a backend with fused kernels for these ops (Triton on CUDA, the compiled kernel on CPU) does the whole point
 in one call; otherwise (the torch backend, fp64) the pending add and the write are torch ops and the mixing is the
 portable one-shot forward. Every implementation runs behind the same checks (`check_bank_aggregate`,
-`check_bank_merge`), applied once where it is chosen: here for the portable kernels, in `attnres.ops.backends` for a
-backend's fused ones (which an inference stream binds and calls directly).
+`check_bank_merge`), applied once where it is registered: here for the portable kernels, in each backend's `KERNELS`
+for its fused ones (which an inference stream binds and calls directly).
 """
 
 from __future__ import annotations
 
 import torch
 
-from attnres.ops.backends import select_backend
 from attnres.ops.checks import check_bank_aggregate, check_bank_merge, validated
 from attnres.ops.depth_attention import torch_depth_attention_fwd
 from attnres.ops.merge import torch_merge_prefix_fwd
+from attnres.ops.registry import kernel, register_portable
 
 
 def bank_rows(bank: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -57,9 +57,9 @@ def torch_bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps):
     return torch_merge_prefix_fwd(m, z, u, prefix, c, out_norm_weight, eps, out_eps, prefix.dtype)
 
 
-# What a backend without fused kernels runs; a backend's own fused ops are validated the same way when it is made.
-_portable_aggregate = validated(check_bank_aggregate, torch_bank_aggregate)
-_portable_merge = validated(check_bank_merge, torch_bank_merge)
+# What a backend without fused kernels runs; a backend's own fused ops are validated the same way in its KERNELS.
+register_portable({"bank_aggregate": validated(check_bank_aggregate, torch_bank_aggregate),
+                   "bank_merge": validated(check_bank_merge, torch_bank_merge)})
 
 
 def bank_aggregate(
@@ -73,8 +73,7 @@ def bank_aggregate(
     `write`, bank row `nvb`: the prefix after the pending add becomes that row and the sources are rows `0..nvb`) and
     returns the mixture `[N, d]` in the prefix's dtype, bit for bit the one-shot forward's over the same rows.
     """
-    aggregate = select_backend(prefix).bank_aggregate or _portable_aggregate
-    return aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write)
+    return kernel("bank_aggregate", prefix)(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write)
 
 
 def bank_merge(
@@ -84,8 +83,7 @@ def bank_merge(
     """Phase 2 at inference: the bank's phase-1 statistics (m, z `[N]`, u `[N, d]`, accumulator dtype) merged with the
     prefix `[N, d]` (unit stride along d) after the pending add of output `[N, d]` or None, under c `[d]` and the
     optional output-norm gain `[d]`. Mutates prefix and returns the (normed) mixture `[N, d]` in the prefix's dtype."""
-    merge = select_backend(prefix).bank_merge or _portable_merge
-    return merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps)
+    return kernel("bank_merge", prefix)(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps)
 
 
 # Registered as custom ops for torch.compile. Eager callers use the plain functions: the dispatch of a mutating

@@ -9,7 +9,7 @@ returned and returns its own:
 
 A carrier's value is nothing (a zero-stride placeholder, shaped `[R, ..., d]` like the R sources of the point that
 made it); its gradient is the running sum, over every later point, of their gradients w.r.t. those R sources. So in
-the backward, a point adds its own contribution into that buffer in place (`Backend.bwd_into`), returns the row of its
+the backward, a point adds its own contribution into that buffer in place (the `point_bwd_into` kernel), returns the row of its
 newest source (complete: every later reader has added to it) and hands the rest back as the previous carrier's
 gradient. A point that starts a chain (no carrier in) returns every row; one whose carrier no later point takes ends
 it (its carrier gets no gradient, and it writes a fresh buffer). Nothing outside autograd is shared: the chain orders
@@ -28,15 +28,9 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
-from attnres.ops.backends import select_backend
 from attnres.ops.checks import check_depth_attention
-from attnres.ops.depth_attention import (
-    depth_attention_fwd,
-    grad_or_zeros,
-    point_fwd_from,
-    point_kernels,
-    takes_kernels_directly,
-)
+from attnres.ops.depth_attention import depth_attention_fwd, grad_or_zeros, point_fwd_from, takes_kernels_directly
+from attnres.ops.registry import kernel, portable
 
 
 def check_carrier(carrier: torch.Tensor | None, sources: list[torch.Tensor]) -> None:
@@ -68,8 +62,8 @@ class _ChainedPoint(torch.autograd.Function):
     def forward(ctx, carrier, query, key_norm_weight, out_norm_weight, eps, out_eps, older, *tracked):
         sources = [*older, *tracked]
         x = sources[0]
-        ctx.kernels = point_kernels(x)
-        point_fwd = ctx.kernels.point_fwd if takes_kernels_directly(x) else point_fwd_from(depth_attention_fwd)
+        ctx.point_bwd_into = kernel("point_bwd_into", x)
+        point_fwd = kernel("point_fwd", x) if takes_kernels_directly(x) else point_fwd_from(depth_attention_fwd)
         out, weights, rstd, c = point_fwd(sources, query, key_norm_weight, out_norm_weight, eps, out_eps)
         ctx.save_for_backward(c, query, key_norm_weight, out_norm_weight, weights, rstd, *sources)
         ctx.eps, ctx.out_eps, ctx.continues = eps, out_eps, carrier is not None
@@ -89,13 +83,20 @@ class _ChainedPoint(torch.autograd.Function):
         else:
             into = torch.empty((len(sources), *x.shape), dtype=x.dtype, device=x.device)
         # no grad_out where only the carrier is used further on: nothing of this point's own to add (zeros)
-        d_query, d_gain, d_out_w = ctx.kernels.point_bwd_into(
+        d_query, d_gain, d_out_w = ctx.point_bwd_into(
             grad_or_zeros(grad_out, x), None, sources, c, query, gain, out_norm_weight, weights, rstd, ctx.eps,
             ctx.out_eps, into, accumulate,
         )
         # the newest source is complete; the older ones go on summing in the previous point
         back, grads = (into[:-1], [into[-1]]) if ctx.continues else (None, into.unbind(0))
         return back, d_query, d_gain, d_out_w, None, None, None, *grads
+
+
+@portable("chained_point")
+def chained_point(tracked, older, carrier, query, gain, out_norm_weight, eps, out_eps):
+    """The `chained_point` op where a backend has none: (out, carrier) through `_ChainedPoint`; only `tracked` are
+    autograd inputs."""
+    return _ChainedPoint.apply(carrier, query, gain, out_norm_weight, eps, out_eps, tuple(older), *tracked)
 
 
 def depth_attention_chained(
@@ -114,7 +115,5 @@ def depth_attention_chained(
     xs, eps, out_eps = check_depth_attention(sources, query, key_norm_weight, eps, out_norm_weight, out_eps)
     check_carrier(carrier, xs)
     older, tracked = (xs[:-1], xs[-1:]) if carrier is not None else ([], xs)
-    chained_point = takes_kernels_directly(xs[0]) and select_backend(xs[0]).chained_point
-    if chained_point:
-        return chained_point(tracked, older, carrier, query, key_norm_weight, out_norm_weight, eps, out_eps)
-    return _ChainedPoint.apply(carrier, query, key_norm_weight, out_norm_weight, eps, out_eps, tuple(older), *tracked)
+    point = kernel("chained_point", xs[0]) if takes_kernels_directly(xs[0]) else chained_point
+    return point(tracked, older, carrier, query, key_norm_weight, out_norm_weight, eps, out_eps)

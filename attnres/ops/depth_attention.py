@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from attnres.ops.backends import Backend, select_backend
+from attnres.ops.registry import kernel, portable, register_portable
 from attnres.ops.checks import check_depth_attention
 
 
@@ -82,6 +81,7 @@ def _mix(xs: list[torch.Tensor], weights: torch.Tensor, acc: torch.dtype) -> tor
     return mix
 
 
+@portable("depth_attention_fwd")
 def torch_depth_attention_fwd(sources, c, out_norm_weight, eps, out_eps):
     """Portable kernel of `depth_attention_fwd` in torch ops, one fp32 source at a time."""
     acc = c.dtype
@@ -96,6 +96,7 @@ def torch_depth_attention_fwd(sources, c, out_norm_weight, eps, out_eps):
     return mix.to(sources[0].dtype).reshape(shape), weights.reshape(lead), torch.stack(rstd).reshape(lead)
 
 
+@portable("depth_attention_bwd")
 def torch_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps):
     """Portable kernel of `depth_attention_bwd` in torch ops, one fp32 source at a time."""
     grads = []
@@ -106,10 +107,11 @@ def torch_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weigh
     return grads, dc, d_out_w
 
 
+@portable("depth_attention_bwd_into")
 def torch_depth_attention_bwd_into(
     grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps, into, accumulate
 ):
-    """Portable kernel of `Backend.bwd_into`: the backward with the source gradients written into `into` (`[R, ...,
+    """Portable kernel of `depth_attention_bwd_into`: the backward with the source gradients written into `into` (`[R, ...,
     d]`, contiguous, the sources' dtype), or with `accumulate` added onto what it holds (in the accumulator dtype,
     rounded once), in place. Returns (grad of c, grad of out_norm_weight) as `depth_attention_bwd` does."""
     rows = into.view(len(sources), -1, c.shape[0])
@@ -153,54 +155,20 @@ def _torch_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rst
     return dc, d_out_w.to(acc)
 
 
-# The two ops below are the contract every backend's kernels keep (`Backend.fwd` and `.bwd`, the torch kernels above
-# where a backend has none); each dispatches to the kernel of the backend that serves the sources.
+def point_fwd_from(fwd: Callable) -> Callable:
+    """The `point_fwd` kernel from a one-shot forward kernel (or the custom op): the query folded in torch ops.
 
-
-class PointKernels(NamedTuple):
-    """The kernels of one aggregation point, looked up once for its forward and backward: the one-shot op's (`fwd`,
-    `bwd`, `bwd_into`, over the folded query c) and the same from the point's parameters (`point_*`: the query w `[d]`
-    or `[1, d]`, its key gain g or None, the output-norm gain or None), which fold c = g * w before the forward and
-    return the gradients of w, g and the output-norm gain (None where a parameter is None), in their dtypes and shapes,
-    as autograd forms them through the fold:
+    The point kernels take a point's parameters (the query w `[d]` or `[1, d]`, its key gain g or None, the
+    output-norm gain or None), fold c = g * w before the forward and return the gradients of w, g and the output-norm
+    gain (None where a parameter is None), in their dtypes and shapes, as autograd forms them through the fold:
 
         point_fwd(sources, w, g, o, eps, out_eps) -> (out, weights, rstd, c)
         point_bwd(grad_out, grad_weights, sources, c, w, g, o, weights, rstd, eps, out_eps) -> (grads, dw, dg, do)
         point_bwd_into(..., into, accumulate) -> (dw, dg, do)
 
-    A backend's own `point_*` kernels do all of it in one call: between two points a model runs a sublayer, and a
-    separate op on these `[d]` vectors would then cost a cold cache's Python and dispatcher work, far more than the
-    products themselves. Elsewhere they are composed from the one-shot kernels in torch ops (`point_fwd_from`,
-    `point_bwd_from`, `point_bwd_into_from`)."""
-
-    fwd: Callable
-    bwd: Callable
-    bwd_into: Callable
-    point_fwd: Callable
-    point_bwd: Callable
-    point_bwd_into: Callable
-
-
-def point_kernels(x: torch.Tensor) -> PointKernels:
-    """The kernels of the backend that serves sources like `x`, the torch ones where it has none."""
-    return _kernels_of(select_backend(x))
-
-
-@functools.cache  # a backend's kernels never change
-def _kernels_of(backend: Backend) -> PointKernels:
-    fwd = backend.fwd or torch_depth_attention_fwd
-    bwd = backend.bwd or torch_depth_attention_bwd
-    bwd_into = backend.bwd_into or torch_depth_attention_bwd_into
-    return PointKernels(
-        fwd, bwd, bwd_into,
-        backend.point_fwd or point_fwd_from(fwd),
-        backend.point_bwd or point_bwd_from(bwd),
-        backend.point_bwd_into or point_bwd_into_from(bwd_into),
-    )
-
-
-def point_fwd_from(fwd: Callable) -> Callable:
-    """`PointKernels.point_fwd` from a one-shot forward kernel (or the custom op)."""
+    A backend's own point kernels do all of it in one call (the CPU's): between two points a model runs a sublayer,
+    and a separate op on these `[d]` vectors would then cost a cold cache's Python and dispatcher work, far more than
+    the products themselves. Elsewhere they are composed from the one-shot kernels (`point_kernels_from`)."""
 
     def point_fwd(sources, query, gain, out_norm_weight, eps, out_eps):
         c = fold_query(query, gain, accumulator_dtype(sources[0].dtype))
@@ -209,18 +177,12 @@ def point_fwd_from(fwd: Callable) -> Callable:
     return point_fwd
 
 
-def point_bwd_from(bwd: Callable) -> Callable:
-    """`PointKernels.point_bwd` from a one-shot backward kernel."""
+def point_kernels_from(fwd: Callable, bwd: Callable, bwd_into: Callable) -> dict[str, Callable]:
+    """The three point kernels (`point_fwd_from`) of a backend that has the one-shot kernels only."""
 
     def point_bwd(grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, eps, out_eps):
         grads, dc, d_out_w = bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps)
         return grads, *parameter_grads(dc, d_out_w, query, gain, out_norm_weight)
-
-    return point_bwd
-
-
-def point_bwd_into_from(bwd_into: Callable) -> Callable:
-    """`PointKernels.point_bwd_into` from a one-shot `bwd_into` kernel."""
 
     def point_bwd_into(grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, eps, out_eps,
                        into, accumulate):
@@ -228,7 +190,7 @@ def point_bwd_into_from(bwd_into: Callable) -> Callable:
                                accumulate)
         return parameter_grads(dc, d_out_w, query, gain, out_norm_weight)
 
-    return point_bwd_into
+    return {"point_fwd": point_fwd_from(fwd), "point_bwd": point_bwd, "point_bwd_into": point_bwd_into}
 
 
 def parameter_grads(dc, d_out_w, query, gain, out_norm_weight):
@@ -239,14 +201,13 @@ def parameter_grads(dc, d_out_w, query, gain, out_norm_weight):
     return d_query, d_gain, None if out_norm_weight is None else d_out_w.to(out_norm_weight.dtype)
 
 
-def kernel_fwd(sources, c, out_norm_weight, eps, out_eps):
-    """`depth_attention_fwd`'s work without the custom op around it: the serving backend's kernel."""
-    return point_kernels(sources[0]).fwd(sources, c, out_norm_weight, eps, out_eps)
+register_portable(point_kernels_from(torch_depth_attention_fwd, torch_depth_attention_bwd,
+                                     torch_depth_attention_bwd_into))
 
 
-def kernel_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps):
-    """`depth_attention_bwd`'s work without the custom op around it: the serving backend's kernel."""
-    return point_kernels(sources[0]).bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps)
+# The two ops below are the contract every backend's kernels keep (registry keys "depth_attention_fwd" and
+# "depth_attention_bwd", the torch kernels above where a backend has none); each dispatches to the kernel that serves
+# the sources.
 
 
 @torch.library.custom_op("attnres::depth_attention_fwd", mutates_args=())
@@ -259,7 +220,7 @@ def depth_attention_fwd(
     Returns (output `[..., d]` in the sources' dtype, weights `[R, ...]`, key rstd `[R, ...]`), the two rows in the
     accumulator dtype; every output is fresh and contiguous.
     """
-    return kernel_fwd(sources, c, out_norm_weight, eps, out_eps)
+    return kernel("depth_attention_fwd", sources[0])(sources, c, out_norm_weight, eps, out_eps)
 
 
 @depth_attention_fwd.register_fake
@@ -281,7 +242,8 @@ def depth_attention_bwd(
     Returns (grad of each source in its shape and dtype, grad of c `[d]`, grad of out_norm_weight `[d]`, zeros when
     there is none), the last two in the accumulator dtype.
     """
-    return kernel_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps)
+    bwd = kernel("depth_attention_bwd", sources[0])
+    return bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps)
 
 
 @depth_attention_bwd.register_fake
@@ -324,16 +286,16 @@ class _EagerPoint(torch.autograd.Function):
     """The custom op and its autograd above as one autograd Function that calls the backend's kernels directly,
     without the custom op's Python layers (argument flattening, dispatch, its autograd wrapper: a fixed cost at every
     point, forward and backward, whatever the size). It takes the point's parameters as they are (the kernels fold the
-    query and form its gradients: `PointKernels`), so an aggregation point has no fold of its own in the graph, and it
-    keeps the backend that served its forward for its backward. Where `takes_kernels_directly` says no,
-    `depth_attention` takes the custom op; where the backend has a `point` op of its own (the CPU's: the same Function
+    query and form its gradients: `point_fwd_from`), so an aggregation point has no fold of its own in the graph, and it
+    keeps the kernel that serves its forward's sources for its backward. Where `takes_kernels_directly` says no,
+    `depth_attention` takes the custom op; where a backend has a `point` op of its own (the CPU's: the same Function
     in C++), it takes that."""
 
     @staticmethod
     def forward(ctx, query, key_norm_weight, out_norm_weight, eps, out_eps, *sources):
-        ctx.kernels = point_kernels(sources[0])
-        out, weights, rstd, c = ctx.kernels.point_fwd(list(sources), query, key_norm_weight, out_norm_weight, eps,
-                                                      out_eps)
+        ctx.point_bwd = kernel("point_bwd", sources[0])
+        point_fwd = kernel("point_fwd", sources[0])
+        out, weights, rstd, c = point_fwd(list(sources), query, key_norm_weight, out_norm_weight, eps, out_eps)
         ctx.save_for_backward(c, query, key_norm_weight, out_norm_weight, weights, rstd, *sources)
         ctx.eps, ctx.out_eps = eps, out_eps
         ctx.mark_non_differentiable(rstd)
@@ -344,15 +306,16 @@ class _EagerPoint(torch.autograd.Function):
     @once_differentiable  # the kernels are not differentiable: a second derivative raises instead of missing terms
     def backward(ctx, grad_out, grad_weights, grad_rstd):
         c, query, gain, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
-        grads, d_query, d_gain, d_out_w = ctx.kernels.point_bwd(
+        grads, d_query, d_gain, d_out_w = ctx.point_bwd(
             grad_or_zeros(grad_out, sources[0]), grad_weights, sources, c, query, gain, out_norm_weight, weights,
             rstd, ctx.eps, ctx.out_eps,
         )
         return d_query, d_gain, d_out_w, None, None, *grads
 
 
+@portable("point")
 def eager_point(sources, query, gain, out_norm_weight, eps, out_eps):
-    """`Backend.point` where a backend has none: (out, weights, rstd) through `_EagerPoint`."""
+    """The `point` op where a backend has none: (out, weights, rstd) through `_EagerPoint`."""
     return _EagerPoint.apply(query, gain, out_norm_weight, eps, out_eps, *sources)
 
 
@@ -384,8 +347,7 @@ def depth_attention(
     """
     xs, eps, out_eps = check_depth_attention(sources, query, key_norm_weight, eps, out_norm_weight, out_eps)
     if takes_kernels_directly(xs[0]):
-        point = select_backend(xs[0]).point or eager_point
-        out, weights, _ = point(xs, query, key_norm_weight, out_norm_weight, eps, out_eps)
+        out, weights, _ = kernel("point", xs[0])(xs, query, key_norm_weight, out_norm_weight, eps, out_eps)
     else:
         c = fold_query(query, key_norm_weight, accumulator_dtype(xs[0].dtype))
         out, weights, _ = depth_attention_fwd(xs, c, out_norm_weight, eps, out_eps)

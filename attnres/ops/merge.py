@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from attnres.ops.backends import select_backend
+from attnres.ops.registry import kernel, portable
 from attnres.ops.checks import FLOAT_DTYPES, check_eps, check_sources, check_vector
 from attnres.ops.depth_attention import fold_query, rms_normalize, rms_normalize_backward
 from attnres.ops.two_phase import SoftmaxStats, depth_stats_fwd
@@ -52,6 +52,7 @@ def _merge(m, z, u, prefix, c, eps):
     return h, z, ea, eb, x, s, r
 
 
+@portable("merge_prefix_fwd")
 def torch_merge_prefix_fwd(m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype):
     """Portable kernel of `merge_prefix_fwd` in torch ops (it takes every argument of the op but `rows`)."""
     h = u / z.unsqueeze(-1) if prefix is None else _merge(m, z, u, prefix, c, eps)[0]
@@ -60,6 +61,7 @@ def torch_merge_prefix_fwd(m, z, u, prefix, c, out_norm_weight, eps, out_eps, dt
     return h.to(dtype)
 
 
+@portable("merge_prefix_bwd")
 def torch_merge_prefix_bwd(grad_out, m, z, u, prefix, c, out_norm_weight, eps, out_eps):
     """Portable kernel of `merge_prefix_bwd` in torch ops."""
     if prefix is None:
@@ -79,8 +81,9 @@ def torch_merge_prefix_bwd(grad_out, m, z, u, prefix, c, out_norm_weight, eps, o
     return ea.unsqueeze(-1) * du, ea * dz, dx.to(prefix.dtype), coef @ x, d_out_w
 
 
-# The two ops below are the contract every backend's kernels keep (`Backend.merge_fwd` and `.merge_bwd`, the torch
-# kernels above where a backend has none); each dispatches to the kernel of the backend that serves the statistics.
+# The two ops below are the contract every backend's kernels keep (registry keys "merge_prefix_fwd" and
+# "merge_prefix_bwd", the torch kernels above where a backend has none); each dispatches to the kernel that serves the
+# statistics.
 
 
 @torch.library.custom_op("attnres::merge_prefix_fwd", mutates_args=())
@@ -92,7 +95,7 @@ def merge_prefix_fwd(
     but c is needed with rows) -> out `[N, d]` in `dtype`, fresh and contiguous. `rows`: the sources u was scored
     from (`[N, d]` each), for the backward to recompute u instead of saving it (the kernels never read them); empty:
     u is saved."""
-    fwd = select_backend(u).merge_fwd or torch_merge_prefix_fwd
+    fwd = kernel("merge_prefix_fwd", u)
     return fwd(m, z, u, prefix, c, out_norm_weight, eps, out_eps, dtype)
 
 
@@ -109,7 +112,7 @@ def merge_prefix_bwd(
     """grad_out `[N, d]` and the forward's inputs. Returns grads (u `[N, d]`, z `[N]`, prefix `[N, d]` in its dtype,
     c `[d]`, out_norm_weight `[d]`) in the accumulator dtype but for the prefix's; m is a stop-gradient. A grad whose
     input is None is empty."""
-    bwd = select_backend(u).merge_bwd or torch_merge_prefix_bwd
+    bwd = kernel("merge_prefix_bwd", u)
     return bwd(grad_out, m, z, u, prefix, c, out_norm_weight, eps, out_eps)
 
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from attnres.ops.backends import Backend, select_backend
+from attnres.ops.registry import kernel, portable
 from attnres.ops.checks import check_depth_stats, check_eps, check_vector
 from attnres.ops.depth_attention import accumulator_dtype, flat_tokens, rms_normalize
 
@@ -38,6 +38,7 @@ def _scores(x: torch.Tensor, cs: torch.Tensor, eps: float) -> tuple[torch.Tensor
     return (cs @ x.T) * rstd, rstd
 
 
+@portable("depth_stats_fwd")
 def torch_depth_stats_fwd(sources, cs, eps):
     """Portable kernel of `depth_stats_fwd` in torch ops, one fp32 source at a time."""
     acc = cs.dtype
@@ -52,6 +53,7 @@ def torch_depth_stats_fwd(sources, cs, eps):
     return m, p.sum(0), u, torch.stack(rstd)
 
 
+@portable("depth_stats_bwd")
 def torch_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, eps):
     """Portable kernel of `depth_stats_bwd` in torch ops, one fp32 source at a time."""
     acc = cs.dtype
@@ -71,12 +73,13 @@ def torch_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, eps):
     return grads, dcs
 
 
-# The two ops below are the contract every backend's kernels keep (`Backend.stats_fwd` and `.stats_bwd`, the torch
-# kernels above where a backend has none); a backend's phase-1 kernels may take only so many queries and sources.
+# The two ops below are the contract every backend's kernels keep (registry keys "depth_stats_fwd" and
+# "depth_stats_bwd", the torch kernels above where a backend has none); a backend's phase-1 kernels may take only so
+# many queries and sources.
 
 
-def _phase1_backend(sources: list[torch.Tensor], cs: torch.Tensor) -> Backend:
-    return select_backend(sources[0], max(len(sources), cs.shape[0]))
+def _phase1_kernel(op: str, sources: list[torch.Tensor], cs: torch.Tensor):
+    return kernel(op, sources[0], rows=max(len(sources), cs.shape[0]))
 
 
 @torch.library.custom_op("attnres::depth_stats_fwd", mutates_args=())
@@ -89,7 +92,7 @@ def depth_stats_fwd(
     Returns (m `[S, N]`, z `[S, N]`, u `[S, N, d]`, key rstd `[R, N]`) over the N flattened tokens, in the
     accumulator dtype.
     """
-    return (_phase1_backend(sources, cs).stats_fwd or torch_depth_stats_fwd)(sources, cs, eps)
+    return _phase1_kernel("depth_stats_fwd", sources, cs)(sources, cs, eps)
 
 
 @depth_stats_fwd.register_fake
@@ -109,7 +112,7 @@ def depth_stats_bwd(
 
     Returns (grad of each source in its shape and dtype, grad of cs `[S, d]` in the accumulator dtype).
     """
-    bwd = _phase1_backend(sources, cs).stats_bwd or torch_depth_stats_bwd
+    bwd = _phase1_kernel("depth_stats_bwd", sources, cs)
     return bwd(grad_z, grad_u, sources, cs, m, rstd, eps)
 
 

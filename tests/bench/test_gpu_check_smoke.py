@@ -64,8 +64,8 @@ def test_parity_compares_the_kernels_with_the_torch_path(report):
         # a real comparison: the two paths differ by rounding, not zero (the same path twice would give exactly 0)
         assert 0 < row["kernels_vs_torch"]["grad"] < 0.2, (name, row)
         assert row["gradients"] > 10
-    assert {"stats_fwd", "merge_bwd"} <= set(parity["block two-phase fp32"]["kernel_calls"])
-    assert "merge_fwd" not in parity["block one-shot fp32"]["kernel_calls"]
+    assert {"depth_stats_fwd", "merge_prefix_bwd"} <= set(parity["block two-phase fp32"]["kernel_calls"])
+    assert "merge_prefix_fwd" not in parity["block one-shot fp32"]["kernel_calls"]
 
 
 def test_decode_variants_match_the_reference(report):

@@ -9,7 +9,7 @@ import torch
 
 from attnres.layers import make_stream
 from attnres.layers.depth_attention import DepthAttention, RMSNorm
-from attnres.ops.backends import BACKEND_ENV
+from attnres.ops.registry import BACKEND_ENV
 from attnres.layers.full_inference import FullInference
 
 LAYERS, D = 3, 64

@@ -5,15 +5,15 @@ import pytest
 import torch
 
 from attnres.models import AttnResForCausalLM
-from attnres.ops import backends
+from attnres.ops import registry
 
 
 @pytest.mark.parametrize("residual", ["block"])
 def test_fullgraph_compile_matches_eager(tiny_config, residual, monkeypatch):
     """With the backend not yet selected in this process: the stream's two-phase decision asks for it while traced
     (a constant to dynamo: the first selection probes, and may build, the CPU kernel, which dynamo cannot trace)."""
-    monkeypatch.setattr(backends, "_cache", {})
-    backends._choose.cache_clear()
+    for cached in (registry.device_backend, registry._backend, registry._kernel):
+        cached.cache_clear()
     torch.manual_seed(0)
     model = AttnResForCausalLM(tiny_config(residual=residual, attn_res_block_size=2))
     with torch.no_grad():

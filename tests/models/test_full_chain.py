@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attnres.models import wiring
-from attnres.ops import backends
+from attnres.ops import registry
 from tests.models.test_checkpointing import REENTRANT, make_model, training_step
 
 BACKENDS = ["torch", "auto"]
@@ -72,7 +72,7 @@ def test_the_switch_turns_the_chain_off():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_chained_training_gives_the_functional_loss_and_gradients(family, backend, functional_points, monkeypatch):
-    monkeypatch.setenv(backends.BACKEND_ENV, backend)
+    monkeypatch.setenv(registry.BACKEND_ENV, backend)
     model = make_model(family, "full")
     with functional_points():
         want = training_step(model)
@@ -82,7 +82,7 @@ def test_chained_training_gives_the_functional_loss_and_gradients(family, backen
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
 def test_checkpointed_chains_give_the_functional_gradients(use_reentrant, functional_points, monkeypatch):
     """Reentrant checkpointing runs the layers without gradients and replays them with: both make the same carriers."""
-    monkeypatch.setenv(backends.BACKEND_ENV, "torch")
+    monkeypatch.setenv(registry.BACKEND_ENV, "torch")
     model = make_model("llama", "full")
     with functional_points():
         want = training_step(model)

@@ -337,6 +337,21 @@ def test_mixed_adapter_batches_are_refused_not_silently_wrong(tiny_config):
         assert torch.isfinite(peft_model(input_ids=IDS).logits).all()
 
 
+def test_the_row_routing_check_runs_only_while_adapters_are_set(tiny_config, monkeypatch):
+    """The check reads every aggregation point's modules' hooks: a model without PEFT adapters is spared it."""
+    model = base_model(tiny_config, "block").eval()
+    checked = []
+    monkeypatch.setattr(type(model), "_refuse_row_routing", lambda self, points: checked.append(len(points)))
+    with torch.no_grad():
+        model(IDS)
+        assert checked == []
+        peft_model = get_peft_model(model, LoraConfig(target_modules=["q_proj"]))
+        peft_model(input_ids=IDS)
+        assert checked == [len(model.aggregation_points())]
+        peft_model.unload()(IDS)
+    assert len(checked) == 1
+
+
 def test_the_readme_shows_the_recipe_that_runs():
     """README and test cannot drift: the README's fine-tuning example is `RECIPE`, character for character."""
     from pathlib import Path

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnres.ops import backends, cpu
+from attnres.ops import cpu, registry
 from attnres.ops import bank as bank_ops
 from attnres.ops.naive import naive_bank_aggregate, naive_bank_merge, naive_depth_stats
 
@@ -151,7 +151,7 @@ def test_bank_merge(cpu_kernel_calls, monkeypatch, dtype, shape, with_output, on
     assert torch.equal(prefix, t["prefix"]), "the prefix after the pending add"
     assert_mixture(mix, twin)
 
-    monkeypatch.setenv(backends.BACKEND_ENV, "torch")  # the portable path of the same contract
+    monkeypatch.setenv(registry.BACKEND_ENV, "torch")  # the portable path of the same contract
     assert_mixture(mix, bank_ops.bank_merge(m, z, u, torch_prefix, *args))
     assert torch.equal(torch_prefix, prefix) and cpu_kernel_calls == ["bank_merge"]
 
@@ -210,8 +210,7 @@ BAD = _bad_cases()
 def test_bad_arguments_name_the_argument(case):
     kwargs, error, name = case
     kwargs = dict(kwargs)
-    fused = backends._cpu_backend()  # the CPU backend's ops, which an inference stream calls directly
-    op = fused.bank_aggregate if kwargs.pop("op") == "aggregate" else fused.bank_merge
+    op = cpu.KERNELS.kernels[f"bank_{kwargs.pop('op')}"]  # the CPU backend's op, as an inference stream calls it
     with pytest.raises(error, match=rf"^{name}:"):
         op(*kwargs.values())  # in the order of the op's parameters, as the inference stream passes them
 

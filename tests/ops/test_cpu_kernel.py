@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 import attnres
 from attnres.layers import DepthAttention, make_stream
 from attnres.layers.residuals import two_phase_pays
-from attnres.ops import backends, cpu
+from attnres.ops import cpu, registry
 from attnres.ops.cpu import build
 from attnres.ops.depth_attention import torch_depth_attention_bwd, torch_depth_attention_fwd
 from attnres.ops.two_phase import torch_depth_stats_bwd, torch_depth_stats_fwd
@@ -249,7 +249,7 @@ def test_non_contiguous_inputs_give_the_contiguous_result():
 def test_public_op_routes_to_kernel_and_matches_twin(dtype, monkeypatch, cpu_kernel_calls):
     """End to end through `attnres.depth_attention`: the kernel serves it, and output and every gradient match
     the autograd twin."""
-    monkeypatch.setenv(backends.BACKEND_ENV, "auto")
+    monkeypatch.setenv(registry.BACKEND_ENV, "auto")
     d = 48
     leaves = [torch.randn(3, 7, d).to(dtype).requires_grad_() for _ in range(5)]
     query = (torch.randn(d) / d**0.5).requires_grad_()
@@ -396,7 +396,7 @@ def test_strided_stats_inputs_give_the_contiguous_result():
 def test_public_stats_route_to_kernel_and_match_twin(dtype, monkeypatch, cpu_kernel_calls):
     """End to end through `attnres.depth_stats` + `finish_stats` (with the fused output norm): the kernel serves
     phase 1, and the mixtures and the gradients of the sources, queries and gains match the twin."""
-    monkeypatch.setenv(backends.BACKEND_ENV, "auto")
+    monkeypatch.setenv(registry.BACKEND_ENV, "auto")
     S, d = 4, 40
     leaves = [torch.randn(3, 5, d).to(dtype).requires_grad_() for _ in range(3)]
     queries = (torch.randn(S, d) * 2 / d**0.5).requires_grad_()
@@ -426,10 +426,10 @@ def test_block_streams_train_one_shot_on_cpu(monkeypatch):
     row, trained_row = torch.randn(3, d), torch.randn(3, d, requires_grad=True)
     assert two_phase_pays(rows, points, row.element_size())
     assert two_phase_pays(rows, points, row.element_size(), training=True)
-    monkeypatch.setenv(backends.BACKEND_ENV, "auto")
+    monkeypatch.setenv(registry.BACKEND_ENV, "auto")
     assert not stream.residual.use_two_phase(trained_row, rows, points)
     assert stream.residual.use_two_phase(row, rows, points)
-    monkeypatch.setenv(backends.BACKEND_ENV, "torch")
+    monkeypatch.setenv(registry.BACKEND_ENV, "torch")
     assert stream.residual.use_two_phase(trained_row, rows, points)
 
 
@@ -462,13 +462,14 @@ def test_point_kernels_fold_and_unfold_as_the_composed_twin_bit_for_bit(param_dt
     """The CPU point ops (query folded and its gradients formed in the kernel call) against the same kernels
     composed with the fold and the parameter gradients in torch ops: every output bit for bit, each gradient in its
     parameter's dtype and shape (None for an absent parameter)."""
-    from attnres.ops.depth_attention import point_bwd_from, point_bwd_into_from, point_fwd_from
+    from attnres.ops.depth_attention import point_kernels_from
 
     d, n_src = 24, 4
     sources, _, _, grad_out, grad_weights = make_case(n_src, (3, 5), d, torch.float32, False, True)
     query, key_gain, out_w = _point_params(d, param_dtype, gain, out_norm, rows)
-    composed = (point_fwd_from(cpu.cpu_depth_attention_fwd), point_bwd_from(cpu.cpu_depth_attention_bwd),
-                point_bwd_into_from(cpu.cpu_depth_attention_bwd_into))
+    composed = point_kernels_from(cpu.cpu_depth_attention_fwd, cpu.cpu_depth_attention_bwd,
+                                  cpu.cpu_depth_attention_bwd_into)
+    composed = (composed["point_fwd"], composed["point_bwd"], composed["point_bwd_into"])
     results = []
     for fwd, bwd, bwd_into in ((cpu.cpu_point_fwd, cpu.cpu_point_bwd, cpu.cpu_point_bwd_into), composed):
         out, weights, rstd, c = fwd(sources, query, key_gain, out_w, EPS, OUT_EPS)
@@ -490,7 +491,7 @@ def test_point_kernels_fold_and_unfold_as_the_composed_twin_bit_for_bit(param_dt
 def test_the_torch_point_kernels_give_autograds_gradients_through_the_fold():
     """The twin (torch kernels, the fold and the parameter gradients in torch ops) against autograd through
     `fold_query` and the one-shot custom op, in fp64."""
-    from attnres.ops.depth_attention import depth_attention_fwd, fold_query, point_kernels
+    from attnres.ops.depth_attention import depth_attention_fwd, fold_query
 
     torch.manual_seed(4)
     sources = [torch.randn(6, 16, dtype=torch.float64) for _ in range(3)]
@@ -500,11 +501,11 @@ def test_the_torch_point_kernels_give_autograds_gradients_through_the_fold():
     grad_out = torch.randn(6, 16, dtype=torch.float64)
     out = depth_attention_fwd(sources, fold_query(query, key_gain, torch.float64), out_w, EPS, OUT_EPS)[0]
     expected = torch.autograd.grad(out, (query, key_gain, out_w), grad_out)
-    kernels = point_kernels(sources[0])  # fp64 takes the torch path
-    out2, weights, rstd, c = kernels.point_fwd(sources, query.detach(), key_gain.detach(), out_w.detach(), EPS,
-                                               OUT_EPS)
-    _, *params = kernels.point_bwd(grad_out, None, sources, c, query.detach(), key_gain.detach(), out_w.detach(),
-                                   weights, rstd, EPS, OUT_EPS)
+    point_fwd, point_bwd = (registry.kernel(op, sources[0]) for op in ("point_fwd", "point_bwd"))  # fp64: torch's
+    assert point_fwd is registry.PORTABLE.kernels["point_fwd"]
+    out2, weights, rstd, c = point_fwd(sources, query.detach(), key_gain.detach(), out_w.detach(), EPS, OUT_EPS)
+    _, *params = point_bwd(grad_out, None, sources, c, query.detach(), key_gain.detach(), out_w.detach(), weights,
+                           rstd, EPS, OUT_EPS)
     torch.testing.assert_close(out2, out.detach(), rtol=0, atol=0)
     for a, e in zip(params, expected):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)

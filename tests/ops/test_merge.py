@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from attnres.ops import SoftmaxStats, depth_stats, finish_stats, merge_prefix, merge_stats
-from attnres.ops.backends import select_backend
+from attnres.ops.registry import kernel
 from attnres.ops.merge import merge_prefix_fwd, torch_merge_prefix_bwd, torch_merge_prefix_fwd
 from tests import TOL, assert_all_close, assert_close, leaves
 
@@ -234,11 +234,10 @@ def test_bad_input_names_the_argument():
 def test_triton_backend_serves_the_merge():
     import triton  # noqa: F401 - a dev dependency: missing, the tests error
     from attnres.ops import triton as kernels
-    from attnres.ops.backends import _triton_backend
 
-    backend = _triton_backend()
-    assert backend.merge_fwd is kernels.triton_merge_prefix_fwd
-    assert backend.merge_bwd is kernels.triton_merge_prefix_bwd
+    assert kernels.KERNELS.kernels["merge_prefix_fwd"] is kernels.triton_merge_prefix_fwd
+    assert kernels.KERNELS.kernels["merge_prefix_bwd"] is kernels.triton_merge_prefix_bwd
+    assert kernels.KERNELS.two_phase_trains
 
 
 # ---- the Triton kernels against the torch path -------------------------------------------------------------------
@@ -350,10 +349,10 @@ def test_the_op_routes_to_the_kernels_on_cuda(monkeypatch):
     from attnres.ops import merge, triton as kernels
 
     calls = []
-    monkeypatch.setattr(merge, "select_backend", lambda x: calls.append(x.device.type) or select_backend(x))
+    monkeypatch.setattr(merge, "kernel", lambda op, x: calls.append(kernel(op, x)) or calls[-1])
     stats, prefix, w, g, o = make_inputs(Case(8, (3,)), DEVICE)
     merge_prefix(stats, prefix, w, g, out_norm_weight=o)
-    assert calls and select_backend(prefix).merge_fwd is kernels.triton_merge_prefix_fwd
+    assert calls == [kernels.triton_merge_prefix_fwd]
 
 
 test_the_op_routes_to_the_kernels_on_cuda.__test__ = ON_CUDA  # CPU tensors (interpreter included) keep torch ops

@@ -9,7 +9,6 @@ rounding to bf16/fp16 can still flip one unit in the last place: that is the tol
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -19,7 +18,8 @@ import torch
 
 
 from attnres.ops import bank as bank_ops  # noqa: E402
-from attnres.ops.backends import _triton_backend  # noqa: E402
+from attnres.ops.registry import PORTABLE  # noqa: E402
+from attnres.ops.triton import KERNELS as TRITON  # noqa: E402
 from attnres.ops.naive import naive_bank_aggregate, naive_bank_merge, naive_depth_stats  # noqa: E402
 # the NaN-filled torch.empty fixture (autouse) comes along: an element a kernel forgets to write fails the comparison
 from tests.ops.test_triton import (  # noqa: E402,F401
@@ -170,7 +170,6 @@ def test_token_offsets_past_2_to_the_31_are_64_bit():
 @kernel_test
 def test_dispatch_routes_to_the_fused_kernels(monkeypatch):
     """bank_aggregate and bank_merge run the fused kernels of a backend that has them, never the one-shot forward."""
-    triton = _triton_backend()
     calls = []
 
     def spy(name, fn):
@@ -179,11 +178,8 @@ def test_dispatch_routes_to_the_fused_kernels(monkeypatch):
             return fn(*args)
         return wrapped
 
-    routed = dataclasses.replace(
-        triton, fwd=None,
-        bank_aggregate=spy("aggregate", triton.bank_aggregate), bank_merge=spy("merge", triton.bank_merge),
-    )
-    monkeypatch.setattr(bank_ops, "select_backend", lambda x, stats_rows=None: routed)
+    routed = {op: spy(op.removeprefix("bank_"), TRITON.kernels[op]) for op in ("bank_aggregate", "bank_merge")}
+    monkeypatch.setattr(bank_ops, "kernel", lambda op, x, rows=None: routed[op])  # any other lookup fails
     t = make_point(N=2, NB=3, d=7, dtype=torch.bfloat16, seed=9)
     args = (t["output"], t["c"], t["ow"], EPS, OUT_EPS)
     bank, prefix = t["bank"].clone(), t["prefix"].clone()
@@ -203,28 +199,26 @@ def test_dispatch_routes_to_the_fused_kernels(monkeypatch):
 
 @kernel_test
 def test_rejects_what_the_kernels_do_not_take():
-    triton = _triton_backend()  # its ops: the kernels behind the bank ops' checks, as an inference stream calls them
+    aggregate, merge = TRITON.kernels["bank_aggregate"], TRITON.kernels["bank_merge"]  # behind the bank ops' checks
     t = make_point(N=2, NB=3, d=4, dtype=torch.float32, seed=0)
     bank, prefix, c = t["bank"], t["prefix"], t["c"]
     with pytest.raises(ValueError, match="nvb: expected 0 <= nvb <= 2"):
-        triton.bank_aggregate(bank, 3, prefix, None, c, None, EPS, EPS, True)
+        aggregate(bank, 3, prefix, None, c, None, EPS, EPS, True)
     with pytest.raises(ValueError, match=r"bank: expected \[2, NB, 4\]"):
-        triton.bank_aggregate(bank[:1], 1, prefix, None, c, None, EPS, EPS, False)
+        aggregate(bank[:1], 1, prefix, None, c, None, EPS, EPS, False)
     with pytest.raises(TypeError, match="prefix: .*float64"):
-        triton.bank_merge(c[:2], c[:2], prefix.double(), prefix.double(), None, c, None, EPS, EPS)
+        merge(c[:2], c[:2], prefix.double(), prefix.double(), None, c, None, EPS, EPS)
     with pytest.raises(ValueError, match="output: expected"):
-        triton.bank_merge(c[:2], c[:2], prefix, prefix, prefix[:1], c, None, EPS, EPS)
+        merge(c[:2], c[:2], prefix, prefix, prefix[:1], c, None, EPS, EPS)
     assert torch.equal(bank, make_point(N=2, NB=3, d=4, dtype=torch.float32, seed=0)["bank"]), "nothing written"
 
 
-def test_backends_expose_the_fused_kernels_only_for_triton():
-    from attnres.ops.backends import TORCH
+def test_the_triton_backend_registers_its_fused_kernels_behind_the_checks():
     from attnres.ops.triton import triton_bank_aggregate, triton_bank_merge
 
-    triton = _triton_backend()
-    assert triton.bank_aggregate.__wrapped__ is triton_bank_aggregate
-    assert triton.bank_merge.__wrapped__ is triton_bank_merge
-    assert TORCH.bank_aggregate is None and TORCH.bank_merge is None
+    assert TRITON.kernels["bank_aggregate"].__wrapped__ is triton_bank_aggregate
+    assert TRITON.kernels["bank_merge"].__wrapped__ is triton_bank_merge
+    assert PORTABLE.kernels["bank_aggregate"].__wrapped__ is bank_ops.torch_bank_aggregate
 
 
 @pytest.mark.parametrize("kernel", ["aggregate", "merge"])

@@ -3,9 +3,9 @@ ops: a compiled kernel that streams each source once (for all queries of phase 1
 the bank rows `bank[:, j]`, in place.
 
 The functions are the CPU kernels of the `attnres::depth_attention_fwd/bwd` and `attnres::depth_stats_fwd/bwd` custom
-ops, of an aggregation point from its parameters (`attnres.ops.depth_attention.PointKernels`, and as whole ops with
-their own autograd: `Backend.point` and `chained_point`) and of
-`attnres.ops.bank.bank_aggregate/bank_merge`; the contracts and the argument checks live with those ops.
+ops, of an aggregation point from its parameters (`attnres.ops.depth_attention.point_fwd_from`, and as whole ops with
+their own autograd: `point` and `chained_point`) and of `attnres.ops.bank.bank_aggregate/bank_merge`, registered by op
+in `KERNELS` (`attnres.ops.registry`); the contracts and the argument checks live with those ops.
 `available()` says whether the kernel could be built and loaded (it compiles on first call, see `build.py`; the
 reason for a failure is logged once) and is False when `ATTNRES_DISABLE_CPU_KERNEL=1`.
 
@@ -21,7 +21,9 @@ import os
 
 import torch
 
+from attnres.ops.checks import check_bank_aggregate, check_bank_merge, validated
 from attnres.ops.cpu.build import build_library
+from attnres.ops.registry import Backend
 
 DISABLE_ENV = "ATTNRES_DISABLE_CPU_KERNEL"
 
@@ -70,19 +72,19 @@ def cpu_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weight,
 def cpu_depth_attention_bwd_into(
     grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps, into, accumulate
 ):
-    """Kernel of `Backend.bwd_into`: the source gradients written, or added, into `into` in place."""
+    """Kernel of `depth_attention_bwd_into`: the source gradients written, or added, into `into` in place."""
     return _ops().depth_attention_bwd_into(
         grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, out_eps, into, accumulate
     )
 
 
 def cpu_point_fwd(sources, query, gain, out_norm_weight, eps, out_eps):
-    """Kernel of `PointKernels.point_fwd`: the query folded and the forward in one call."""
+    """Kernel of `point_fwd`: the query folded and the forward in one call."""
     return _ops().point_fwd(sources, query, gain, out_norm_weight, eps, out_eps)
 
 
 def cpu_point_bwd(grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, eps, out_eps):
-    """Kernel of `PointKernels.point_bwd`: the backward and the parameters' gradients in one call."""
+    """Kernel of `point_bwd`: the backward and the parameters' gradients in one call."""
     grads, d_query, d_gain, d_out_w = _ops().point_bwd(
         grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, out_eps
     )
@@ -92,19 +94,19 @@ def cpu_point_bwd(grad_out, grad_weights, sources, c, query, gain, out_norm_weig
 def cpu_point_bwd_into(
     grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, eps, out_eps, into, accumulate
 ):
-    """Kernel of `PointKernels.point_bwd_into`: `bwd_into` and the parameters' gradients in one call."""
+    """Kernel of `point_bwd_into`: `bwd_into` and the parameters' gradients in one call."""
     return _ops().point_bwd_into(
         grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, out_eps, into, accumulate
     )
 
 
 def cpu_point(sources, query, gain, out_norm_weight, eps, out_eps):
-    """`Backend.point`: (out, weights, rstd) of `depth_attention`'s eager point, its backward a C++ autograd node."""
+    """Kernel of `point`: (out, weights, rstd) of `depth_attention`'s eager point, its backward a C++ autograd node."""
     return _ops().point(sources, query, gain, out_norm_weight, eps, out_eps)
 
 
 def cpu_chained_point(tracked, older, carrier, query, gain, out_norm_weight, eps, out_eps):
-    """`Backend.chained_point`: (out, carrier) of a point of `depth_attention_chained`, its backward a C++ autograd
+    """Kernel of `chained_point`: (out, carrier) of a point of `depth_attention_chained`, its backward a C++ autograd
     node; only `tracked` are autograd inputs."""
     return _ops().chained_point(tracked, older, carrier, query, gain, out_norm_weight, eps, out_eps)
 
@@ -128,3 +130,22 @@ def cpu_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_e
 def cpu_bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps):
     """Kernel of `attnres.ops.bank.bank_merge`, the whole point in one call."""
     return _ops().bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps)
+
+
+# Phase 2's backward (merge_prefix_bwd) has no CPU kernel, so two-phase training is not taken here: its torch ops cost
+# more than the reads it saves. Inference runs the fused bank_merge and pays where two_phase_pays says (0.61-0.72x
+# fp32, level bf16).
+KERNELS = Backend("cpu", {
+    "depth_attention_fwd": cpu_depth_attention_fwd,
+    "depth_attention_bwd": cpu_depth_attention_bwd,
+    "depth_attention_bwd_into": cpu_depth_attention_bwd_into,
+    "point_fwd": cpu_point_fwd,
+    "point_bwd": cpu_point_bwd,
+    "point_bwd_into": cpu_point_bwd_into,
+    "point": cpu_point,
+    "chained_point": cpu_chained_point,
+    "depth_stats_fwd": cpu_depth_stats_fwd,
+    "depth_stats_bwd": cpu_depth_stats_bwd,
+    "bank_aggregate": validated(check_bank_aggregate, cpu_bank_aggregate),
+    "bank_merge": validated(check_bank_merge, cpu_bank_merge),
+})

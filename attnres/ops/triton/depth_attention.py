@@ -366,7 +366,7 @@ def triton_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weig
 def triton_depth_attention_bwd_into(
     grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps, into, accumulate
 ):
-    """Kernel of `Backend.bwd_into`: the source gradients written, or added, into `into` in place."""
+    """Kernel of `depth_attention_bwd_into`: the source gradients written, or added, into `into` in place."""
     xs = flat_sources(sources)
     grads = list(into.view(len(xs), *xs[0].shape).unbind(0))
     return _backward(grad_out, grad_weights, xs, c, out_norm_weight, weights, rstd, out_eps, grads, accumulate)
