@@ -245,6 +245,35 @@ def test_non_contiguous_inputs_give_the_contiguous_result():
     assert torch.equal(odd[1], plain[1]) and torch.equal(odd[2], plain[2])
 
 
+def test_leading_dims_that_flatten_are_read_in_place_and_the_rest_copied():
+    """Sources [B, 1, T, d] in every layout: leading dims that flatten to one row stride (rows of a wider buffer, a
+    unit dim of any stride) and ones that do not (a slice of T, B and T swapped): the contiguous result bit for bit,
+    forward and backward."""
+    sources, c, out_w, grad_out, grad_weights = make_case(5, (2, 1, 3), 16, torch.float32, True, True)
+    wide = torch.zeros(2, 1, 3, 40)
+    wide[..., 8:24] = sources[0]
+    sliced = torch.zeros(2, 1, 5, 16)
+    sliced[:, :, 1:4] = sources[2]
+    unit = torch.empty_strided((2, 1, 3, 16), (48, 999, 16, 1))
+    unit.copy_(sources[3])
+    layouts = [
+        wide[..., 8:24],  # rows of a wider buffer: row stride 40, read in place
+        sources[1].transpose(0, 2).contiguous().transpose(0, 2),  # B and T swapped: copied
+        sliced[:, :, 1:4],  # a slice of T: copied
+        unit,  # the unit dim's stride does not matter: read in place
+        sources[4],
+    ]
+    assert all(torch.equal(a, e) for a, e in zip(layouts, sources))
+    plain = cpu.cpu_depth_attention_fwd(sources, c, out_w, EPS, OUT_EPS)
+    odd = cpu.cpu_depth_attention_fwd(layouts, c, out_w, EPS, OUT_EPS)
+    assert all(torch.equal(a, e) for a, e in zip(odd, plain))
+    _, weights, rstd = plain
+    plain = cpu.cpu_depth_attention_bwd(grad_out, grad_weights, sources, c, out_w, weights, rstd, EPS, OUT_EPS)
+    odd = cpu.cpu_depth_attention_bwd(grad_out, grad_weights, layouts, c, out_w, weights, rstd, EPS, OUT_EPS)
+    assert all(torch.equal(a, e) for a, e in zip(odd[0], plain[0]))
+    assert torch.equal(odd[1], plain[1]) and torch.equal(odd[2], plain[2])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_public_op_routes_to_kernel_and_matches_twin(dtype, monkeypatch, cpu_kernel_calls):
     """End to end through `attnres.depth_attention`: the kernel serves it, and output and every gradient match

@@ -1105,11 +1105,28 @@ Rows<T> rows_of(const at::Tensor& rows) {  // rows from as_rows
   return {static_cast<T*>(rows.data_ptr()), rows.stride(0)};
 }
 
+// The stride between the [N, d] rows of t [..., d] read in place, or -1 where they cannot be (the last dim not unit
+// stride, or leading dims that do not flatten to one stride): as_rows without making a view, which costs more than a
+// decode step's whole point for each of Full's many sources.
+int64_t row_stride(const at::Tensor& t, int64_t d) {
+  if (d != 1 && t.stride(-1) != 1) return -1;
+  int64_t stride = d, span = -1;  // span: the extent the next non-unit leading dim must step by
+  for (int64_t i = t.dim() - 2; i >= 0; --i) {
+    if (t.size(i) == 1) continue;
+    if (span != -1 && t.stride(i) != span) return -1;
+    if (span == -1) stride = t.stride(i);
+    span = t.stride(i) * t.size(i);
+  }
+  return stride;
+}
+
 // Host side: inputs are brought to the layout the kernels read (sources and gradients as [N, d] rows, see as_rows;
 // vectors and [R, N] rows contiguous in the accumulator dtype; copies only where the caller's tensors differ). The
 // Python layer has validated shapes.
 struct Problem {
-  std::vector<at::Tensor> sources;  // R [N, d] rows
+  std::vector<const void*> first_rows;  // R sources read as [N, d] rows: each one's first row and row stride
+  std::vector<int64_t> row_strides;
+  std::vector<at::Tensor> copies;  // the sources that could not be read in place, as contiguous rows
   at::ScalarType dtype, acc;
   int64_t n_src, n_tok, d;
   std::vector<int64_t> shape;      // [..., d]: the shape of a source
@@ -1127,7 +1144,14 @@ struct Problem {
     for (const auto& x : xs) {
       TORCH_CHECK(x.device().is_cpu() && x.sizes() == xs[0].sizes() && x.scalar_type() == dtype,
                   "attnres_cpu: sources must be CPU tensors of one shape and dtype");
-      sources.push_back(as_rows(x, n_tok, d));
+      if (const int64_t stride = row_stride(x, d); stride >= 0) {
+        first_rows.push_back(x.data_ptr());
+        row_strides.push_back(stride);
+      } else {
+        copies.push_back(as_rows(x, n_tok, d));
+        first_rows.push_back(copies.back().data_ptr());
+        row_strides.push_back(copies.back().stride(0));
+      }
     }
   }
 
@@ -1148,7 +1172,7 @@ struct Problem {
   template <class T>
   std::vector<Rows<const T>> source_rows() const {
     std::vector<Rows<const T>> out;
-    for (const auto& t : sources) out.push_back(rows_of<const T>(t));
+    for (int64_t j = 0; j < n_src; ++j) out.push_back({static_cast<const T*>(first_rows[j]), row_strides[j]});
     return out;
   }
   std::vector<at::Tensor> new_sources() const;  // R new outputs of a source's shape and dtype (gradients)
