@@ -11,8 +11,9 @@ Backward (r_j = rsqrt(mean(x_j^2) + eps), dm the gradient reaching m):
 Sources are visited one at a time, so neither the stacked sources in fp32 nor the normalised keys ever exist; the
 only saved tensors are the sources themselves (no copy) and two `[R, ...]` fp32 rows (weights and rstd).
 
-The op is a `torch.library` custom op with fake and autograd registrations so `torch.compile(fullgraph=True)`
-traces through it; the public function validates, folds `c` with ordinary autograd ops and calls it.
+The forward and the backward are `torch.library` custom ops with fake registrations, so `torch.compile(fullgraph=True)`
+traces through them; the op's autograd is one Function, `_Point`, which calls them traced and the kernels themselves
+eagerly. The public function validates and calls it.
 """
 
 from __future__ import annotations
@@ -177,12 +178,19 @@ def point_fwd_from(fwd: Callable) -> Callable:
     return point_fwd
 
 
-def point_kernels_from(fwd: Callable, bwd: Callable, bwd_into: Callable) -> dict[str, Callable]:
-    """The three point kernels (`point_fwd_from`) of a backend that has the one-shot kernels only."""
+def point_bwd_from(bwd: Callable) -> Callable:
+    """The `point_bwd` kernel from a one-shot backward kernel (or the custom op): the parameters' gradients in torch
+    ops (`point_fwd_from`)."""
 
     def point_bwd(grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, eps, out_eps):
         grads, dc, d_out_w = bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps)
         return grads, *parameter_grads(dc, d_out_w, query, gain, out_norm_weight)
+
+    return point_bwd
+
+
+def point_kernels_from(fwd: Callable, bwd: Callable, bwd_into: Callable) -> dict[str, Callable]:
+    """The three point kernels (`point_fwd_from`) of a backend that has the one-shot kernels only."""
 
     def point_bwd_into(grad_out, grad_weights, sources, c, query, gain, out_norm_weight, weights, rstd, eps, out_eps,
                        into, accumulate):
@@ -190,7 +198,7 @@ def point_kernels_from(fwd: Callable, bwd: Callable, bwd_into: Callable) -> dict
                                accumulate)
         return parameter_grads(dc, d_out_w, query, gain, out_norm_weight)
 
-    return {"point_fwd": point_fwd_from(fwd), "point_bwd": point_bwd, "point_bwd_into": point_bwd_into}
+    return {"point_fwd": point_fwd_from(fwd), "point_bwd": point_bwd_from(bwd), "point_bwd_into": point_bwd_into}
 
 
 def parameter_grads(dc, d_out_w, query, gain, out_norm_weight):
@@ -251,53 +259,38 @@ def _(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, o
     return [x.new_empty(x.shape) for x in sources], c.new_empty(c.shape), c.new_empty(c.shape)  # contiguous
 
 
-def _setup_context(ctx, inputs, output):
-    sources, c, out_norm_weight, eps, out_eps = inputs
-    _, weights, rstd = output
-    ctx.save_for_backward(c, out_norm_weight, weights, rstd, *sources)
-    ctx.eps, ctx.out_eps = eps, out_eps
-
-
-def _backward(ctx, grad_out, grad_weights, grad_rstd):
-    """The rstd output is an internal row for the backward; it carries no gradient of its own."""
-    c, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
-    grads, dc, d_out_w = depth_attention_bwd(
-        grad_or_zeros(grad_out, sources[0]), grad_weights, sources, c, out_norm_weight, weights, rstd, ctx.eps,
-        ctx.out_eps,
-    )
-    return grads, dc, None if out_norm_weight is None else d_out_w.to(out_norm_weight.dtype), None, None
-
-
 def grad_or_zeros(grad_out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """The output's gradient as the kernels take it: contiguous, zeros where autograd passed none."""
     return torch.zeros_like(x) if grad_out is None else grad_out.contiguous()
 
 
-depth_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
 def takes_kernels_directly(x: torch.Tensor) -> bool:
-    """Whether an op over sources like `x` may call the kernels itself rather than through the custom op: eagerly, on
-    plain tensors. Traced, or on a tensor subclass (FakeTensor, DTensor), the custom op's registrations serve them."""
+    """Whether an op over sources like `x` may call the kernels itself rather than through the custom ops: eagerly, on
+    plain tensors. Traced, or on a tensor subclass (FakeTensor, DTensor), the custom ops' registrations serve them."""
     return type(x) is torch.Tensor and not torch.compiler.is_compiling()
 
 
-class _EagerPoint(torch.autograd.Function):
-    """The custom op and its autograd above as one autograd Function that calls the backend's kernels directly,
-    without the custom op's Python layers (argument flattening, dispatch, its autograd wrapper: a fixed cost at every
-    point, forward and backward, whatever the size). It takes the point's parameters as they are (the kernels fold the
-    query and form its gradients: `point_fwd_from`), so an aggregation point has no fold of its own in the graph, and it
-    keeps the kernel that serves its forward's sources for its backward. Where `takes_kernels_directly` says no,
-    `depth_attention` takes the custom op; where a backend has a `point` op of its own (the CPU's: the same Function
-    in C++), it takes that."""
+# traced: the fold in torch ops around the custom ops, whose fake kernels tracing needs
+_traced_point_fwd, _traced_point_bwd = point_fwd_from(depth_attention_fwd), point_bwd_from(depth_attention_bwd)
+
+
+class _Point(torch.autograd.Function):
+    """`depth_attention`'s autograd: one aggregation point from its parameters as they are (the point kernels fold the
+    query and form its gradients, `point_fwd_from`), so a point has no fold of its own in the graph. Eagerly on plain
+    tensors it calls the kernels that serve its sources, and keeps them for its backward: no custom op's Python layers
+    (argument flattening, dispatch), a fixed cost at every point whatever the size. Traced, or on a tensor subclass,
+    it calls the custom ops `attnres::depth_attention_fwd/bwd` instead. Where a backend has a `point` op of its own (the
+    CPU's: this Function in C++), `depth_attention` takes that."""
 
     @staticmethod
     def forward(ctx, query, key_norm_weight, out_norm_weight, eps, out_eps, *sources):
-        ctx.point_bwd = kernel("point_bwd", sources[0])
-        point_fwd = kernel("point_fwd", sources[0])
+        direct = takes_kernels_directly(sources[0])
+        point_fwd = kernel("point_fwd", sources[0]) if direct else _traced_point_fwd
         out, weights, rstd, c = point_fwd(list(sources), query, key_norm_weight, out_norm_weight, eps, out_eps)
         ctx.save_for_backward(c, query, key_norm_weight, out_norm_weight, weights, rstd, *sources)
-        ctx.eps, ctx.out_eps = eps, out_eps
+        ctx.eps, ctx.out_eps, ctx.direct = eps, out_eps, direct
+        if direct:
+            ctx.point_bwd = kernel("point_bwd", sources[0])
         ctx.mark_non_differentiable(rstd)
         ctx.set_materialize_grads(False)
         return out, weights, rstd
@@ -306,7 +299,8 @@ class _EagerPoint(torch.autograd.Function):
     @once_differentiable  # the kernels are not differentiable: a second derivative raises instead of missing terms
     def backward(ctx, grad_out, grad_weights, grad_rstd):
         c, query, gain, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
-        grads, d_query, d_gain, d_out_w = ctx.point_bwd(
+        point_bwd = ctx.point_bwd if ctx.direct else _traced_point_bwd
+        grads, d_query, d_gain, d_out_w = point_bwd(
             grad_or_zeros(grad_out, sources[0]), grad_weights, sources, c, query, gain, out_norm_weight, weights,
             rstd, ctx.eps, ctx.out_eps,
         )
@@ -314,9 +308,9 @@ class _EagerPoint(torch.autograd.Function):
 
 
 @portable("point")
-def eager_point(sources, query, gain, out_norm_weight, eps, out_eps):
-    """The `point` op where a backend has none: (out, weights, rstd) through `_EagerPoint`."""
-    return _EagerPoint.apply(query, gain, out_norm_weight, eps, out_eps, *sources)
+def point(sources, query, gain, out_norm_weight, eps, out_eps):
+    """The `point` op where a backend has none: (out, weights, rstd) through `_Point`."""
+    return _Point.apply(query, gain, out_norm_weight, eps, out_eps, *sources)
 
 
 def depth_attention(
@@ -346,9 +340,6 @@ def depth_attention(
         (fp64 for fp64 sources). Differentiable w.r.t. every tensor argument.
     """
     xs, eps, out_eps = check_depth_attention(sources, query, key_norm_weight, eps, out_norm_weight, out_eps)
-    if takes_kernels_directly(xs[0]):
-        out, weights, _ = kernel("point", xs[0])(xs, query, key_norm_weight, out_norm_weight, eps, out_eps)
-    else:
-        c = fold_query(query, key_norm_weight, accumulator_dtype(xs[0].dtype))
-        out, weights, _ = depth_attention_fwd(xs, c, out_norm_weight, eps, out_eps)
+    run = kernel("point", xs[0]) if takes_kernels_directly(xs[0]) else point
+    out, weights, _ = run(xs, query, key_norm_weight, out_norm_weight, eps, out_eps)
     return (out, weights) if return_weights else out

@@ -519,8 +519,8 @@ def test_point_kernels_fold_and_unfold_as_the_composed_twin_bit_for_bit(param_dt
 
 def test_the_torch_point_kernels_give_autograds_gradients_through_the_fold():
     """The twin (torch kernels, the fold and the parameter gradients in torch ops) against autograd through
-    `fold_query` and the one-shot custom op, in fp64."""
-    from attnres.ops.depth_attention import depth_attention_fwd, fold_query
+    `fold_query` around the one-shot torch kernels, in fp64."""
+    from attnres.ops.depth_attention import fold_query
 
     torch.manual_seed(4)
     sources = [torch.randn(6, 16, dtype=torch.float64) for _ in range(3)]
@@ -528,8 +528,11 @@ def test_the_torch_point_kernels_give_autograds_gradients_through_the_fold():
     key_gain = (1 + 0.1 * torch.randn(16, dtype=torch.float64)).requires_grad_()
     out_w = (1 + 0.1 * torch.randn(16, dtype=torch.float64)).requires_grad_()
     grad_out = torch.randn(6, 16, dtype=torch.float64)
-    out = depth_attention_fwd(sources, fold_query(query, key_gain, torch.float64), out_w, EPS, OUT_EPS)[0]
-    expected = torch.autograd.grad(out, (query, key_gain, out_w), grad_out)
+    c = fold_query(query, key_gain, torch.float64)
+    out, weights, rstd = torch_depth_attention_fwd(sources, c.detach(), out_w.detach(), EPS, OUT_EPS)
+    _, dc, d_out_w = torch_depth_attention_bwd(grad_out, None, sources, c.detach(), out_w.detach(), weights, rstd, EPS,
+                                               OUT_EPS)
+    expected = (*torch.autograd.grad(c, (query, key_gain), dc), d_out_w)
     point_fwd, point_bwd = (registry.kernel(op, sources[0]) for op in ("point_fwd", "point_bwd"))  # fp64: torch's
     assert point_fwd is registry.PORTABLE.kernels["point_fwd"]
     out2, weights, rstd, c = point_fwd(sources, query.detach(), key_gain.detach(), out_w.detach(), EPS, OUT_EPS)

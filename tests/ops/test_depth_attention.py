@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attnres import depth_attention, naive_depth_attention
-from attnres.ops import cpu
+from attnres.ops import cpu, registry
 from attnres.ops.depth_attention import fold_query
 from tests import TOL, Tol, assert_all_close, assert_close, error_ratios, leaves
 
@@ -263,8 +263,9 @@ def _op_inputs(
 @pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
 @pytest.mark.parametrize("out_norm", [False, True], ids=["plain", "out_norm"])
 def test_opcheck_forward(out_norm, transposed):
-    """The fake kernel's output metadata (strides included) against the real one's: contiguous for any sources."""
-    sources, c, o = _op_inputs(out_norm, requires_grad=True, transposed=transposed)
+    """The fake kernel's output metadata (strides included) against the real one's: contiguous for any sources. The op
+    is the forward kernel; the autograd around it is `_Point`'s (test_torch_compile_fullgraph_matches_eager)."""
+    sources, c, o = _op_inputs(out_norm, requires_grad=False, transposed=transposed)
     torch.library.opcheck(torch.ops.attnres.depth_attention_fwd.default, (sources, c, o, 1e-6, 1e-5))
 
 
@@ -335,11 +336,14 @@ def test_non_contiguous_inputs_and_gradients(source_layout, grad_layout):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("frozen", [(), ("q",), ("gain",)], ids=["", "frozen-query", "frozen-gain"])
-def test_eager_calls_take_the_kernels_directly_with_the_custom_ops_values_and_gradients(dtype, frozen):
-    """Eagerly, `depth_attention` calls the kernels through its own autograd Function, not the custom op, and folds the
-    query inside it: the values and every gradient (the query's and the gain's formed by hand, cast back to their
-    dtype) are the custom op's, bit for bit; a frozen query or gain gets none."""
-    from attnres.ops.depth_attention import accumulator_dtype, depth_attention_fwd, takes_kernels_directly
+def test_eager_calls_take_the_kernels_directly_with_the_custom_ops_values_and_gradients(dtype, frozen, monkeypatch):
+    """Eagerly, `depth_attention` calls the kernels themselves, not the custom ops, and folds the query inside them:
+    the values and every gradient (the query's and the gain's formed by hand, cast back to their dtype) are those of
+    the traced path (the fold in torch ops around the custom ops `attnres::depth_attention_fwd/bwd`), bit for bit; a
+    frozen query or gain gets none."""
+    from attnres.ops.depth_attention import takes_kernels_directly
+
+    module = importlib.import_module("attnres.ops.depth_attention")  # the name alone is the function
 
     g = torch.Generator().manual_seed(5)
     xs = [torch.randn(3, 7, 24, generator=g).to(dtype).requires_grad_() for _ in range(4)]
@@ -357,12 +361,16 @@ def test_eager_calls_take_the_kernels_directly_with_the_custom_ops_values_and_gr
         (out.float().square().sum() + (weights * torch.arange(4.0).view(4, 1, 1)).sum()).backward()
         return [out, weights] + [t.grad for t in (*xs, q, gain, out_w)]
 
-    def through_op():
-        c = fold_query(q, gain, accumulator_dtype(dtype))
-        return depth_attention_fwd(xs, c, out_w, 1e-6, 1e-6)[:2]
+    def forward():
+        return depth_attention(xs, q, gain, out_norm_weight=out_w, return_weights=True)
 
-    eager = run(lambda: depth_attention(xs, q, gain, out_norm_weight=out_w, return_weights=True))
-    for a, b in zip(eager, run(through_op)):
+    eager = run(forward)
+    ops = []
+    monkeypatch.setattr(module, "takes_kernels_directly", lambda x: False)  # as traced: through the custom ops
+    monkeypatch.setattr(module, "kernel", lambda op, x, rows=None: ops.append(op) or registry.kernel(op, x, rows))
+    traced = run(forward)
+    assert sorted(set(ops)) == ["depth_attention_bwd", "depth_attention_fwd"]  # from inside the custom ops
+    for a, b in zip(eager, traced):
         assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
     assert [t.grad is None for t in (q, gain)] == [name in frozen for name in ("q", "gain")]
 
@@ -392,9 +400,9 @@ def test_fake_tensors_take_the_custom_op_and_its_fake_kernels():
 @pytest.mark.parametrize("params", ["gain-onorm", "bare"])
 def test_the_cpu_point_op_is_its_python_function_in_cpp(dtype, loss_on, params):
     """Eagerly on CPU, `depth_attention` is the `point` op, whose autograd node is C++ (no Python in its backward):
-    its values and every gradient are those of `_EagerPoint`, the Function it replaces, bit for bit, also where only
+    its values and every gradient are those of `_Point`, the Function it stands for, bit for bit, also where only
     the weights reach the loss (no output gradient) and where the gain and output norm are absent."""
-    from attnres.ops.depth_attention import eager_point
+    from attnres.ops.depth_attention import point as python_point
 
     g = torch.Generator().manual_seed(7)
     xs = [torch.randn(2, 9, 40, generator=g).to(dtype).requires_grad_() for _ in range(3)]
@@ -410,7 +418,7 @@ def test_the_cpu_point_op_is_its_python_function_in_cpp(dtype, loss_on, params):
         leaves = [t for t in (*xs, q, gain, out_w) if t is not None]
         return [out, weights, *torch.autograd.grad(loss, leaves)], out.grad_fn
 
-    (cpp, node), (python, _) = run(cpu.cpu_point), run(eager_point)
+    (cpp, node), (python, _) = run(cpu.cpu_point), run(python_point)
     assert type(node).__name__ == "CppFunction"  # the C++ node, not a Python Function's
     for a, b in zip(cpp, python):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -425,7 +433,7 @@ def test_a_second_derivative_raises_instead_of_missing_the_points_terms(path):
     """The kernels' backward is not differentiable. Under create_graph the first derivatives are right; differentiating
     them again raises, where it used to drop the point's terms from the second derivative in silence."""
     from attnres.ops import chain
-    from attnres.ops.depth_attention import eager_point
+    from attnres.ops.depth_attention import point as python_point
 
     xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
     q, gain = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
@@ -433,7 +441,7 @@ def test_a_second_derivative_raises_instead_of_missing_the_points_terms(path):
         out = (cpu.cpu_chained_point(xs, [], None, q, gain, None, 1e-6, 1e-6) if path == "chained-cpu" else
                chain._ChainedPoint.apply(None, q, gain, None, 1e-6, 1e-6, (), *xs))[0]
     else:
-        out = (cpu.cpu_point if path == "cpu" else eager_point)(xs, q, gain, None, 1e-6, 1e-6)[0]
+        out = (cpu.cpu_point if path == "cpu" else python_point)(xs, q, gain, None, 1e-6, 1e-6)[0]
     first = torch.autograd.grad(out.square().sum(), [xs[0], q], create_graph=True)
     expected = torch.autograd.grad(naive_depth_attention(xs, q, gain).square().sum(), [xs[0], q])
     for a, b in zip(first, expected):

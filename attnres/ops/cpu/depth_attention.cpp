@@ -1357,7 +1357,7 @@ ParameterGrads point_bwd_into(
 }
 
 // An aggregation point as one op with its own autograd node (the ops `point` and `chained_point`, the CPU twins of
-// `_EagerPoint` and `_ChainedPoint` in attnres/ops/depth_attention.py and chain.py, which they equal bit for bit):
+// `_Point` and `_ChainedPoint` in attnres/ops/depth_attention.py and chain.py, which they equal bit for bit):
 // between two points a model runs a sublayer, and a Python autograd Function then pays a cold cache's interpreter work
 // to enter its forward, to unpack what it saved and to build its gradients, at every point, forward and backward.
 using torch::autograd::AutogradContext;
