@@ -25,9 +25,9 @@ import torch
 
 from attnres.layers.depth_attention import FoldedQueries, local_weight
 from attnres.layers.residuals import BlockResidual, without_autograd
-from attnres.ops.registry import kernel
 from attnres.ops.bank import bank_aggregate_op, bank_merge_op, bank_rows
 from attnres.ops.depth_attention import accumulator_dtype, flat_tokens
+from attnres.ops.registry import kernel
 from attnres.ops.two_phase import depth_stats_fwd
 
 # a few tokens (decode) pay more in extra calls than two-phase saves in reads

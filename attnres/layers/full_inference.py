@@ -14,12 +14,10 @@ contiguous reads save.
 
 from __future__ import annotations
 
-import torch
-
 from attnres.layers.depth_attention import FoldedQueries, local_weight
 from attnres.layers.residuals import FullResidual, without_autograd
-from attnres.ops.registry import kernel
 from attnres.ops.depth_attention import accumulator_dtype
+from attnres.ops.registry import kernel
 
 
 class FullInference(FullResidual):

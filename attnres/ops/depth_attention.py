@@ -18,14 +18,13 @@ eagerly. The public function validates and calls it.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from attnres.ops.registry import kernel, portable, register_portable
 from attnres.ops.checks import check_depth_attention
+from attnres.ops.registry import kernel, portable, register_portable
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -33,9 +33,9 @@ from collections.abc import Sequence
 
 import torch
 
-from attnres.ops.registry import kernel, portable
 from attnres.ops.checks import FLOAT_DTYPES, check_eps, check_sources, check_vector
 from attnres.ops.depth_attention import fold_query, rms_normalize, rms_normalize_backward
+from attnres.ops.registry import kernel, portable
 from attnres.ops.two_phase import SoftmaxStats, depth_stats_fwd
 
 

@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import torch
 
-from attnres.ops.registry import kernel, portable
 from attnres.ops.checks import check_depth_stats, check_eps, check_vector
 from attnres.ops.depth_attention import accumulator_dtype, flat_tokens, rms_normalize
+from attnres.ops.registry import kernel, portable
 
 
 class SoftmaxStats(NamedTuple):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from attnres.ops import SoftmaxStats, depth_stats, finish_stats, merge_prefix, merge_stats
-from attnres.ops.registry import kernel
+from attnres.ops import registry
 from attnres.ops.merge import merge_prefix_fwd, torch_merge_prefix_bwd, torch_merge_prefix_fwd
 from tests import TOL, assert_all_close, assert_close, leaves
 
@@ -349,7 +349,7 @@ def test_the_op_routes_to_the_kernels_on_cuda(monkeypatch):
     from attnres.ops import merge, triton as kernels
 
     calls = []
-    monkeypatch.setattr(merge, "kernel", lambda op, x: calls.append(kernel(op, x)) or calls[-1])
+    monkeypatch.setattr(merge, "kernel", lambda op, x: calls.append(registry.kernel(op, x)) or calls[-1])
     stats, prefix, w, g, o = make_inputs(Case(8, (3,)), DEVICE)
     merge_prefix(stats, prefix, w, g, out_norm_weight=o)
     assert calls == [kernels.triton_merge_prefix_fwd]
