@@ -256,7 +256,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--subnormal", type=float, default=0.0,
-                        help="fraction of the source entries made subnormal (default 0; see the kernels' FlushSubnormals)")
+                        help="fraction of the source entries made subnormal (default 0; the kernels' FlushSubnormals "
+                        "reads them as zero)")
     parser.add_argument("--processes", type=int, default=1,
                         help="run everything in this many fresh processes and report the spread (default 1)")
     args = parser.parse_args()

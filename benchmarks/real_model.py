@@ -83,8 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_models(source: str | dict, dtype: torch.dtype, device: str, block_size: int, family_norms: bool) -> dict:
     """The original model (from a folder, or a llama config's fields with random weights) and its standard, Block and
     Full conversions, in `dtype` on `device`, every RMSNorm the fastest plain norm (`attnres.bench.models.fast_norms`:
-    transformers' own is Python ops, slower than the PreNorm an AttnRes read fuses) unless `family_norms`. The standard conversion is the AttnRes decoder layer with the plain
-    residual sum: what the layer costs apart from the depth attention."""
+    transformers' own is Python ops, slower than the PreNorm an AttnRes read fuses) unless `family_norms`. The
+    standard conversion is the AttnRes decoder layer with the plain residual sum: what the layer costs apart from the
+    depth attention."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from attnres.models import convert_from_hf

@@ -385,11 +385,12 @@ def resolution(gap: dict | None, target: float = 0.01) -> str:
     if not gap or gap["std"] is None:
         return ""
     half = (gap["ci95"][1] - gap["ci95"][0]) / 2
+    if half <= target:
+        return f"With {gap['n']} seeds the Block gap's interval is +-{half:.3f} wide: it resolves {target:g} nats. "
     need = seeds_to_resolve(gap["std"], target)
     return (f"With {gap['n']} seeds the Block gap's interval is +-{half:.3f} wide, so it cannot resolve a gap of "
             f"{target:g} nats: its per-seed gaps spread by {gap['std']:.4f}, and an interval of +-{target:g} takes "
-            f"{need} seeds (each seed of the five arms takes about 45 minutes of this 2-core machine; "
-            "`--seeds` adds more to the ledger). ")
+            f"{need or 'more than 1000'} seeds (`--seeds` adds more to the ledger). ")
 
 
 def real_upcycle_section(data: dict) -> list[str]:

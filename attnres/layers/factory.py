@@ -35,8 +35,8 @@ def make_residual(
     `attn_res_block_size`); `record`: what the reads keep (`Recorder`); `inference` selects the backends without
     autograd: for "block" the fused bank (`attnres.layers.bank`), for "full" direct kernel calls
     (`attnres.layers.full_inference`), unless depth is recorded; `layerwise`: those backends read each decoder
-    layer's weights during its own reads only (FSDP2 gathers them layer by layer); `chain` makes the points of "full" a chain for the
-    backward (`attnres.ops.chain`: the same gradients, summed in place; for eager training).
+    layer's weights during its own reads only (FSDP2 gathers them layer by layer); `chain` makes the points of "full"
+    a chain for the backward (`attnres.ops.chain`: the same gradients, summed in place; for eager training).
     """
     if residual not in RESIDUAL_KINDS:
         raise ValueError(f"residual: expected one of {RESIDUAL_KINDS}, got {residual!r}")

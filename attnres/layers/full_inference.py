@@ -2,9 +2,9 @@
 
 `FullResidual` reads through `attnres.ops.depth_attention`, the differentiable operator: argument checks, a custom-op
 dispatch and the autograd wiring at every point, which at decode (a few tokens per step) cost more than the kernel.
-Here the backend's forward is bound and every point's query folded from the weights as they are now at the first read
-(`FoldedQueries`), and each point calls the kernel directly on the same sources: the mixture is the operator's bit for bit, and the state is
-`FullResidual`'s.
+Here the backend's forward is bound and every point's query folded from the weights as they are now at the first
+read (`FoldedQueries`), and each point calls the kernel directly on the same sources: the mixture is the operator's
+bit for bit, and the state is `FullResidual`'s.
 
 The sources stay the sublayer outputs themselves: copying them into one preallocated `[tokens, 2L + 1, d]` buffer
 (with `attnres.ops.bank.bank_aggregate`, the copy fused into each point's call) measured no faster at decode and up

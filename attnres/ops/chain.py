@@ -9,12 +9,12 @@ returned and returns its own:
 
 A carrier's value is nothing (a zero-stride placeholder, shaped `[R, ..., d]` like the R sources of the point that
 made it); its gradient is the running sum, over every later point, of their gradients w.r.t. those R sources. So in
-the backward, a point adds its own contribution into that buffer in place (the `point_bwd_into` kernel), returns the row of its
-newest source (complete: every later reader has added to it) and hands the rest back as the previous carrier's
-gradient. A point that starts a chain (no carrier in) returns every row; one whose carrier no later point takes ends
-it (its carrier gets no gradient, and it writes a fresh buffer). Nothing outside autograd is shared: the chain orders
-the backward by itself, and since the buffer is a gradient, autograd sums the buffers of two points that took the
-same carrier as for any tensor.
+the backward, a point adds its own contribution into that buffer in place (the `point_bwd_into` kernel), returns the
+row of its newest source (complete: every later reader has added to it) and hands the rest back as the previous
+carrier's gradient. A point that starts a chain (no carrier in) returns every row; one whose carrier no later point
+takes ends it (its carrier gets no gradient, and it writes a fresh buffer). Nothing outside autograd is shared: the
+chain orders the backward by itself, and since the buffer is a gradient, autograd sums the buffers of two points that
+took the same carrier as for any tensor.
 
 Values and gradients are those of `depth_attention` point by point: in fp32 the sums run in the order autograd runs
 them, so they agree bit for bit; in bf16 and fp16 each partial sum is rounded once (autograd rounds each point's
@@ -29,7 +29,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from attnres.ops.checks import check_depth_attention
-from attnres.ops.depth_attention import depth_attention_fwd, grad_or_zeros, point_fwd_from, takes_kernels_directly
+from attnres.ops.depth_attention import grad_or_zeros, takes_kernels_directly, traced_point_fwd
 from attnres.ops.registry import kernel, portable
 
 
@@ -63,7 +63,7 @@ class _ChainedPoint(torch.autograd.Function):
         sources = [*older, *tracked]
         x = sources[0]
         ctx.point_bwd_into = kernel("point_bwd_into", x)
-        point_fwd = kernel("point_fwd", x) if takes_kernels_directly(x) else point_fwd_from(depth_attention_fwd)
+        point_fwd = kernel("point_fwd", x) if takes_kernels_directly(x) else traced_point_fwd
         out, weights, rstd, c = point_fwd(sources, query, key_norm_weight, out_norm_weight, eps, out_eps)
         ctx.save_for_backward(c, query, key_norm_weight, out_norm_weight, weights, rstd, *sources)
         ctx.eps, ctx.out_eps, ctx.continues = eps, out_eps, carrier is not None

@@ -111,9 +111,9 @@ def torch_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weigh
 def torch_depth_attention_bwd_into(
     grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps, into, accumulate
 ):
-    """Portable kernel of `depth_attention_bwd_into`: the backward with the source gradients written into `into` (`[R, ...,
-    d]`, contiguous, the sources' dtype), or with `accumulate` added onto what it holds (in the accumulator dtype,
-    rounded once), in place. Returns (grad of c, grad of out_norm_weight) as `depth_attention_bwd` does."""
+    """Portable kernel of `depth_attention_bwd_into`: the backward with the source gradients written into `into`
+    (`[R, ..., d]`, contiguous, the sources' dtype), or with `accumulate` added onto what it holds (in the accumulator
+    dtype, rounded once), in place. Returns (grad of c, grad of out_norm_weight) as `depth_attention_bwd` does."""
     rows = into.view(len(sources), -1, c.shape[0])
 
     def put(j, dx):
@@ -270,7 +270,7 @@ def takes_kernels_directly(x: torch.Tensor) -> bool:
 
 
 # traced: the fold in torch ops around the custom ops, whose fake kernels tracing needs
-_traced_point_fwd, _traced_point_bwd = point_fwd_from(depth_attention_fwd), point_bwd_from(depth_attention_bwd)
+traced_point_fwd, traced_point_bwd = point_fwd_from(depth_attention_fwd), point_bwd_from(depth_attention_bwd)
 
 
 class _Point(torch.autograd.Function):
@@ -284,7 +284,7 @@ class _Point(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key_norm_weight, out_norm_weight, eps, out_eps, *sources):
         direct = takes_kernels_directly(sources[0])
-        point_fwd = kernel("point_fwd", sources[0]) if direct else _traced_point_fwd
+        point_fwd = kernel("point_fwd", sources[0]) if direct else traced_point_fwd
         out, weights, rstd, c = point_fwd(list(sources), query, key_norm_weight, out_norm_weight, eps, out_eps)
         ctx.save_for_backward(c, query, key_norm_weight, out_norm_weight, weights, rstd, *sources)
         ctx.eps, ctx.out_eps, ctx.direct = eps, out_eps, direct
@@ -298,7 +298,7 @@ class _Point(torch.autograd.Function):
     @once_differentiable  # the kernels are not differentiable: a second derivative raises instead of missing terms
     def backward(ctx, grad_out, grad_weights, grad_rstd):
         c, query, gain, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
-        point_bwd = ctx.point_bwd if ctx.direct else _traced_point_bwd
+        point_bwd = ctx.point_bwd if ctx.direct else traced_point_bwd
         grads, d_query, d_gain, d_out_w = point_bwd(
             grad_or_zeros(grad_out, sources[0]), grad_weights, sources, c, query, gain, out_norm_weight, weights,
             rstd, ctx.eps, ctx.out_eps,

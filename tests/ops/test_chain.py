@@ -230,7 +230,8 @@ def test_the_cpu_chained_point_op_is_its_python_function_in_cpp(monkeypatch, dty
         m.setattr(chain._ChainedPoint, "apply", None)  # the Python Function must not run
         cpp = run()
     portable_chain = {"chained_point": chain.chained_point}  # the Python Function, over the CPU's point kernels
-    monkeypatch.setattr(chain, "kernel", lambda op, x, rows=None: portable_chain.get(op) or registry.kernel(op, x, rows))
+    monkeypatch.setattr(chain, "kernel",
+                        lambda op, x, rows=None: portable_chain.get(op) or registry.kernel(op, x, rows))
     python = run()
     for a, b in zip(cpp, python):
         assert torch.equal(a, b)

@@ -336,7 +336,9 @@ def test_non_contiguous_inputs_and_gradients(source_layout, grad_layout):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("frozen", [(), ("q",), ("gain",)], ids=["", "frozen-query", "frozen-gain"])
-def test_eager_calls_take_the_kernels_directly_with_the_custom_ops_values_and_gradients(dtype, frozen, monkeypatch):
+def test_eager_calls_take_the_kernels_directly_with_the_custom_ops_values_and_gradients(
+    dtype, frozen, monkeypatch
+):
     """Eagerly, `depth_attention` calls the kernels themselves, not the custom ops, and folds the query inside them:
     the values and every gradient (the query's and the gain's formed by hand, cast back to their dtype) are those of
     the traced path (the fold in torch ops around the custom ops `attnres::depth_attention_fwd/bwd`), bit for bit; a

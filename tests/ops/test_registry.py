@@ -72,7 +72,8 @@ def test_a_registered_backend_runs_and_the_rest_falls_back(monkeypatch, own_regi
     expected = attnres.naive_depth_attention(sources, query)
     torch.testing.assert_close(out, expected)
     grad = torch.randn(3, 16)
-    for a, e in zip(torch.autograd.grad(out, [*sources, query], grad), torch.autograd.grad(expected, [*sources, query], grad)):
+    leaves = [*sources, query]
+    for a, e in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(expected, leaves, grad)):
         torch.testing.assert_close(a, e)
     assert registry.backend_name(torch.empty(1, 17)) == "torch"  # wider than the backend takes
 

@@ -455,11 +455,12 @@ inline int64_t grain_size(int64_t n_src, int64_t d) {  // tokens per task: enoug
   return std::max<int64_t>(1, (int64_t(1) << 16) / (n_src * d));
 }
 
-// x86 takes a microcode assist for every operation on a subnormal float: 1 % subnormal sources made the fp32 forward
-// 2.4x slower and half of them 10x (benchmarks/bench_cpu.py --subnormal), and a softmax over depth makes its own
-// (the exp of a score 88 below the largest). So each thread's share of a kernel runs with subnormal inputs read as
-// zero and subnormal results flushed to zero (MXCSR DAZ | FTZ), and puts the caller's mode back after: a change of
-// less than FLT_MIN (1.2e-38) in any value, the kernels' speed independent of their data.
+// x86 takes a microcode assist for every operation on a subnormal float: with 1 % of the sources' entries subnormal,
+// a kernel that computes on them takes two to four times as long (benchmarks/bench_cpu.py --subnormal), and a
+// softmax over depth makes its own (the exp of a score 88 below the largest). So each thread's share of a kernel
+// runs with subnormal inputs read as zero and subnormal results flushed to zero (MXCSR DAZ | FTZ), and puts the
+// caller's mode back after: a change of less than FLT_MIN (1.2e-38) in any value, the kernels' speed independent of
+// their data.
 class FlushSubnormals {
 #if defined(__x86_64__) || defined(__i386__)
  public:
