@@ -153,9 +153,11 @@ class Residual:
                 )
             return self.start(hidden_states)
         if not isinstance(hidden_states, self.State):
+            kinds = self.State if isinstance(self.State, tuple) else (self.State,)
             raise TypeError(
-                f"hidden_states: decoder layer {layer} takes the {self.State.__name__} that layer {layer - 1} "
-                f"returns, got {type(hidden_states).__name__} (an AttnRes layer runs inside an AttnRes model's forward)"
+                f"hidden_states: decoder layer {layer} takes the {' or '.join(k.__name__ for k in kinds)} that layer "
+                f"{layer - 1} returns, got {type(hidden_states).__name__} (an AttnRes layer runs inside an AttnRes "
+                f"model's forward)"
             )
         return hidden_states
 
