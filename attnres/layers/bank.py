@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from attnres.layers.depth_attention import FoldedQueries, local_weight
+from attnres.layers.depth_attention import FoldedQueries, weight_of
 from attnres.layers.residuals import BlockResidual, without_autograd
 from attnres.ops.bank import bank_aggregate_op, bank_merge_op, bank_rows
 from attnres.ops.depth_attention import accumulator_dtype, flat_tokens
@@ -103,7 +103,7 @@ class BlockBank(BlockResidual):
         if prefix is None:  # the first point after a write: the pending output starts the new prefix
             prefix, pending = pending.clone(), None
         num_sources = nvb + 1
-        out_w = None if norm is None else local_weight(norm.weight)
+        out_w = None if norm is None else weight_of(norm)
         out_eps = eps if norm is None else self._out_eps(norm, num_sources)
         if not write and (stats is None or not stats[0] <= point < stats[1]):
             stats = self._score_group(bank, nvb, point)

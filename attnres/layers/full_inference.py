@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from attnres.layers.depth_attention import FoldedQueries, local_weight
+from attnres.layers.depth_attention import FoldedQueries, weight_of
 from attnres.layers.residuals import FullResidual, ResidualState, without_autograd
 from attnres.ops.depth_attention import accumulator_dtype, flat_tokens
 from attnres.ops.registry import kernel
@@ -86,7 +86,7 @@ class FullInference(FullResidual):
             self.folded = FoldedQueries(self.points, accumulator_dtype(x.dtype), self.layerwise)
             self._forward, self._aggregate = kernel("depth_attention_fwd", x), kernel("bank_aggregate", x)
         c, eps = self.folded[point]
-        out_w = None if norm is None else local_weight(norm.weight)
+        out_w = None if norm is None else weight_of(norm)
         out_eps = eps if norm is None else self._out_eps(norm, num_sources)
         if banked:
             mix, state = without_autograd(self._read_bank, state, c, out_w, eps, out_eps)

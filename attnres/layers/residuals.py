@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from attnres.layers.depth_attention import DepthAttention, local_weight
+from attnres.layers.depth_attention import DepthAttention, weight_of
 from attnres.ops import depth_stats, merge_prefix
 from attnres.ops.registry import PORTABLE, backend_for
 from attnres.ops.two_phase import SoftmaxStats
@@ -75,7 +75,7 @@ class PreNorm(NamedTuple):
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.module.weight
+        return weight_of(self.module)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.module(x)
@@ -297,8 +297,8 @@ class BlockResidual(Residual):
         if not self.use_two_phase(rows[0], len(rows), len(points)):
             return None
         at = [self.points[k] for k in points]
-        queries = torch.cat([local_weight(p.proj.weight) for p in at])
-        gains = torch.stack([local_weight(p.norm.weight) for p in at])
+        queries = torch.cat([weight_of(p.proj) for p in at])
+        gains = torch.stack([weight_of(p.norm) for p in at])
         return points.start, points.stop, depth_stats(rows, queries, gains, eps=at[0].eps)
 
     def _merge_prefix(self, point, stats, rows, prefix, norm) -> torch.Tensor:
@@ -308,10 +308,10 @@ class BlockResidual(Residual):
         out = merge_prefix(
             SoftmaxStats(*(s[point - start] for s in scored)),
             prefix,
-            local_weight(at.proj.weight),
-            local_weight(at.norm.weight),
+            weight_of(at.proj),
+            weight_of(at.norm),
             eps=at.eps,
-            out_norm_weight=None if norm is None else local_weight(norm.weight),
+            out_norm_weight=None if norm is None else weight_of(norm),
             out_eps=at.eps if norm is None else self._out_eps(norm, num_sources),
             dtype=rows[0].dtype,
             sources=rows,  # the backward recomputes u from the rows: no [N, d] fp32 kept per point

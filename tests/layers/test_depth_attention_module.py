@@ -72,3 +72,25 @@ def test_fused_out_norm_equals_the_norm_applied_after(out_eps, dtype):
     ref = [t.to(dtype) for t in run(copy.deepcopy(point).float(), copy.deepcopy(norm).float(), fused=False)]
     names = ["output", *[f"grad source {j}" for j in range(4)], "grad proj", "grad key norm", "grad out norm"]
     assert_all_close(names, ref, run(point, norm, fused=True), TOL[dtype])
+
+
+def test_a_point_computes_with_the_weight_its_modules_give():
+    """Reads take a weight from the module's parameters where it is one, and otherwise ask the module for it: a
+    parametrized query and a PreNorm's gain are what the point computes with."""
+    from torch.nn.utils import parametrize
+
+    from attnres.layers.depth_attention import weight_of
+    from attnres.layers.residuals import PreNorm
+
+    point, norm = randomized(DepthAttention(8)), RMSNorm(8)
+    assert weight_of(point.proj) is point.proj.weight and weight_of(PreNorm(norm, 1e-6)) is norm.weight
+    sources = [torch.randn(3, 8) for _ in range(4)]
+    want = depth_attention(sources, 2 * point.proj.weight, point.norm.weight)
+
+    class Doubled(torch.nn.Module):
+        def forward(self, weight):
+            return 2 * weight
+
+    parametrize.register_parametrization(point.proj, "weight", Doubled())
+    assert torch.equal(weight_of(point.proj), 2 * point.proj.parametrizations.weight.original)
+    assert torch.equal(point(sources), want)
