@@ -11,9 +11,10 @@ Where the sources live depends on the forward's token count:
   writes its newest source (the last sublayer output) into the next row and mixes the rows so far, in one
   `attnres.ops.bank.bank_aggregate` call. Passing a kernel its sources as a list costs about half a microsecond per
   source in the binding and its checks, 1,891 sources per token at 30 layers: on the CPU kernels the bank's reads
-  take 0.5x the list's time at 1 token, 0.9x at 64 (d = 576, 30 layers, fp32 and bf16);
+  take 0.5x the list's time at 1 token and 0.9-1.0x at 64 (`python -m benchmarks.full_reads`: d = 576, 30 layers,
+  fp32 and bf16);
 - past it (prefill), the sublayer outputs themselves, as a list: the fresh bank's pages then cost more than its
-  contiguous reads save (1.3x the list's time at 256 tokens in fp32). The state is then `FullResidual`'s.
+  contiguous reads save (1.1-1.3x the list's time at 256 tokens). The state is then `FullResidual`'s.
 Traced (`torch.compile`), always the list: a branch on the token count would specialise the graph.
 """
 

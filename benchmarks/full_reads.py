@@ -1,0 +1,100 @@
+"""Full AttnRes's reads at inference: its sources in one bank against the sources in place, by token count.
+
+What `attnres.layers.full_inference.BANK_TOKENS` rests on. One inference forward's 2L + 1 reads, the sublayers left
+out (their outputs drawn beforehand), in two ways, each through the backend's kernel as `FullInference` binds it:
+- list: point l passes its l + 1 sources to `depth_attention_fwd` as a list, read in place;
+- bank: the forward allocates one `[N, 2L + 1, d]` bank, and point l writes its newest source into row l and mixes
+  rows 0..l in one `bank_aggregate` call.
+The two alternate round by round (a change in the machine's load reaches both alike); medians over the rounds.
+
+    python -m benchmarks.full_reads                  # SmolLM2-135M's shape: 30 layers, d = 576, fp32 and bf16
+    python -m benchmarks.full_reads --json docs/full_reads.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from attnres.atomic import atomic_write_text
+from attnres.ops.registry import kernel
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=30, help="decoder layers L (default: %(default)s)")
+    p.add_argument("--dim", type=int, default=576, help="hidden size d (default: %(default)s)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024],
+                   help="token counts N of a forward (default: 1 4 16 64 256 1024)")
+    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"], help="(default: fp32 bf16)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timed rounds per token count (default: enough for about 400 tokens, at least 5)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
+    args = p.parse_args(argv)
+    for name in ("layers", "dim"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if min(args.tokens) < 1 or (args.rounds is not None and args.rounds < 1):
+        p.error("--tokens and --rounds must be at least 1")
+    return args
+
+
+def reads(points: int, tokens: int, dim: int, dtype: torch.dtype) -> dict:
+    """The list and bank forms of one forward's reads, on the same sources and folded query; each returns every
+    point's mixture."""
+    gen = torch.Generator().manual_seed(0)
+    outputs = [torch.randn(tokens, dim, generator=gen).to(dtype) for _ in range(points)]
+    c, gain = 0.1 * torch.randn(dim, generator=gen), torch.ones(dim)
+    forward, aggregate = kernel("depth_attention_fwd", outputs[0]), kernel("bank_aggregate", outputs[0])
+    aggregate = getattr(aggregate, "kernel", aggregate)  # unchecked, as `FullInference` calls it past its first read
+
+    def in_place() -> list[torch.Tensor]:
+        return [forward(outputs[: point + 1], c, gain, 1e-6, 1e-6)[0] for point in range(points)]
+
+    def bank() -> list[torch.Tensor]:
+        rows = outputs[0].new_empty(tokens, points, dim)
+        return [aggregate(rows, point, outputs[point], None, c, gain, 1e-6, 1e-6, True) for point in range(points)]
+
+    return {"list": in_place, "bank": bank}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    points = 2 * args.layers + 1
+    results = []
+    for name in args.dtypes:
+        for tokens in args.tokens:
+            fns = reads(points, tokens, args.dim, DTYPES[name])
+            times = {form: [] for form in fns}
+            for fn in fns.values():  # warm-up
+                fn()
+            for _ in range(args.rounds or max(5, 400 // tokens)):
+                for form, fn in fns.items():
+                    start = time.perf_counter()
+                    fn()
+                    times[form].append(time.perf_counter() - start)
+            ms = {form: 1e3 * statistics.median(t) for form, t in times.items()}
+            results.append({"dtype": name, "tokens": tokens, "ms": ms, "bank_over_list": ms["bank"] / ms["list"]})
+            print(f"{name} N={tokens:5d}: list {ms['list']:8.3f} ms, bank {ms['bank']:8.3f} ms, "
+                  f"bank / list {ms['bank'] / ms['list']:.2f}")
+    if args.json is not None:
+        record = {"layers": args.layers, "dim": args.dim, "threads": torch.get_num_threads(),
+                  "torch": torch.__version__, "command": "python -m benchmarks.full_reads" + (
+                      f" --json {args.json}"), "results": results}
+        atomic_write_text(args.json, json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
