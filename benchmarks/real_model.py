@@ -4,7 +4,8 @@ conversion (the AttnRes decoder layer with the plain residual sum) runs beside t
 the depth attention.
 
 Two cases, each model in turn in every round (a shared machine's changing load then reaches all of them alike), the
-median of the rounds' ratios to the original:
+median of the rounds' ratios to the original. A deep copy of the original runs beside them as a fifth model ("copy"):
+its ratio would be 1 on a quiet machine, and how far it is from 1 is how far the other ratios can be trusted.
 - train: one optimizer step (forward with loss, backward, torch's fused AdamW) on 2 x 256 tokens of real text;
 - decode: one greedy decode step at batch 1 with a KV cache of 64 tokens (the middle of a 64-token answer to a
   32-token prompt), the cache cropped back after each step. A step is short, so the rounds are many: a machine whose
@@ -47,6 +48,7 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
 SMOKE = dict(SMOLLM2_135M, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2)
 ORIGINAL = "original"
+COPY = "copy"  # a deep copy of the original, timed as the others are: how far a ratio moves with nothing changed
 CASES = ("train", "decode")
 
 
@@ -81,11 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_models(source: str | dict, dtype: torch.dtype, device: str, block_size: int, family_norms: bool) -> dict:
-    """The original model (from a folder, or a llama config's fields with random weights) and its standard, Block and
-    Full conversions, in `dtype` on `device`, every RMSNorm the fastest plain norm (`attnres.bench.models.fast_norms`:
-    transformers' own is Python ops, slower than the PreNorm an AttnRes read fuses) unless `family_norms`. The
-    standard conversion is the AttnRes decoder layer with the plain residual sum: what the layer costs apart from the
-    depth attention."""
+    """The original model (from a folder, or a llama config's fields with random weights), a deep copy of it, and
+    its standard, Block and Full conversions, in `dtype` on `device`, every RMSNorm the fastest plain norm
+    (`attnres.bench.models.fast_norms`: transformers' own is Python ops, slower than the PreNorm an AttnRes read
+    fuses) unless `family_norms`. The standard conversion is the AttnRes decoder layer with the plain residual sum:
+    what the layer costs apart from the depth attention."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from attnres.models import convert_from_hf
@@ -97,6 +99,7 @@ def load_models(source: str | dict, dtype: torch.dtype, device: str, block_size:
         original = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
     models = {
         ORIGINAL: original,
+        COPY: copy.deepcopy(original),
         STANDARD: convert_from_hf(copy.deepcopy(original), residual=STANDARD),
         BLOCK: convert_from_hf(copy.deepcopy(original), residual=BLOCK, attn_res_block_size=block_size),
         FULL: convert_from_hf(copy.deepcopy(original), residual=FULL),
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"case": case, "dtype": dtype_name, **summarise(round_times(fns, rounds, args.warmup, args.device))}
             results.append(row)
             print(f"{case:6s} {dtype_name}: original {row['ms'][ORIGINAL]:8.1f} ms; "
-                  + "; ".join(f"{k} {row['ratio'][k]:.3f}x" for k in (STANDARD, BLOCK, FULL)), flush=True)
+                  + "; ".join(f"{k} {row['ratio'][k]:.3f}x" for k in (COPY, STANDARD, BLOCK, FULL)), flush=True)
         del models
     if args.profile:
         return 0

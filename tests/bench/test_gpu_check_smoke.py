@@ -295,9 +295,10 @@ def test_the_carried_transformers_is_the_one_attnres_requires():
 
 def test_the_real_model_stage_reports_both_cases(report):
     """benchmarks/real_model.py's record (a tiny llama in the dry run): the training step and the decode, each with the
-    original's time and the standard, Block and Full conversions' ratios to it."""
+    original's time and the ratios to it of its copy (the noise floor) and of the standard, Block and Full
+    conversions."""
     stage = report["real_model"]
     assert [(r["case"], r["dtype"]) for r in stage["results"]] == [("train", "fp32"), ("decode", "fp32")]
     for row in stage["results"]:
         assert row["ms"]["original"] > 0
-        assert set(row["ratio"]) == {"standard", "block", "full"} and all(r > 0 for r in row["ratio"].values())
+        assert set(row["ratio"]) == {"copy", "standard", "block", "full"} and all(r > 0 for r in row["ratio"].values())
