@@ -1,6 +1,6 @@
 """Full AttnRes's reads at inference: its sources in one bank against the sources in place, by token count.
 
-What `attnres.layers.full_inference.BANK_TOKENS` rests on. One inference forward's 2L + 1 reads, the sublayers left
+What `attnres.layers.full_inference.BANK_BYTES` rests on. One inference forward's 2L + 1 reads, the sublayers left
 out (their outputs drawn beforehand), in two ways, each through the backend's kernel as `FullInference` binds it:
 - list: point l passes its l + 1 sources to `depth_attention_fwd` as a list, read in place;
 - bank: the forward allocates one `[N, 2L + 1, d]` bank, and point l writes its newest source into row l and mixes
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -88,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} N={tokens:5d}: list {ms['list']:8.3f} ms, bank {ms['bank']:8.3f} ms, "
                   f"bank / list {ms['bank'] / ms['list']:.2f}")
     if args.json is not None:
+        command = " ".join(["python -m benchmarks.full_reads", *(sys.argv[1:] if argv is None else argv)])
         record = {"layers": args.layers, "dim": args.dim, "threads": torch.get_num_threads(),
-                  "torch": torch.__version__, "command": "python -m benchmarks.full_reads" + (
-                      f" --json {args.json}"), "results": results}
+                  "torch": torch.__version__, "command": command, "results": results}
         atomic_write_text(args.json, json.dumps(record, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0

@@ -6,15 +6,16 @@ dispatch and the autograd wiring at every point, which at decode (a few tokens p
 Here the backend's kernel is bound and every point's query folded from the weights as they are now at the first
 read (`FoldedQueries`), and each point calls the kernel directly: the mixture is the operator's bit for bit.
 
-Where the sources live depends on the forward's token count:
-- up to `BANK_TOKENS` tokens (a decode step), in one `[N, 2L + 1, d]` bank that lives for the forward: each read
-  writes its newest source (the last sublayer output) into the next row and mixes the rows so far, in one
+Where the sources live depends on the bytes of the bank the forward would take, N (2L + 1) d elements:
+- up to `BANK_BYTES` (a decode step), in one `[N, 2L + 1, d]` bank that lives for the forward: each read writes its
+  newest source (the last sublayer output) into the next row and mixes the rows so far, in one
   `attnres.ops.bank.bank_aggregate` call. Passing a kernel its sources as a list costs about half a microsecond per
   source in the binding and its checks, 1,891 sources per token at 30 layers: on the CPU kernels the bank's reads
-  take 0.5x the list's time at 1 token and 0.9-1.0x at 64 (`python -m benchmarks.full_reads`: d = 576, 30 layers,
-  fp32 and bf16);
-- past it (prefill), the sublayer outputs themselves, as a list: the fresh bank's pages then cost more than its
-  contiguous reads save (1.1-1.3x the list's time at 256 tokens). The state is then `FullResidual`'s.
+  take 0.5x the list's time at 1 token and 0.8-0.9x at 64 tokens, a bank of 4.5-9 MB (`python -m
+  benchmarks.full_reads`: d = 576, 30 layers, fp32 and bf16);
+- past it (prefill), the sublayer outputs themselves, as a list: a fresh bank's page faults grow with its bytes and
+  then cost as much as its contiguous reads save, or more (1.0x the list's time for an 18 MB bank, 1.25x for 36 MB).
+  The state is then `FullResidual`'s.
 Traced (`torch.compile`), always the list: a branch on the token count would specialise the graph.
 """
 
@@ -30,8 +31,8 @@ from attnres.layers.residuals import FullResidual, ResidualState, without_autogr
 from attnres.ops.depth_attention import accumulator_dtype, flat_tokens
 from attnres.ops.registry import kernel
 
-# the most tokens a forward keeps its sources in a bank for (see the module docstring)
-BANK_TOKENS = 64
+# the most bytes of a forward's bank (see the module docstring): SmolLM2-135M's up to 59 tokens in fp32, 119 in bf16
+BANK_BYTES = 8 * 2**20
 
 
 class FullBankState(NamedTuple):
@@ -58,7 +59,7 @@ class FullBankState(NamedTuple):
 
 class FullInference(FullResidual):
     """`FullResidual` without autograd: the same schedule and mixtures, each read one direct kernel call (on a bank up
-    to `BANK_TOKENS` tokens)."""
+    to `BANK_BYTES`)."""
 
     State = (ResidualState, FullBankState)
 
@@ -69,9 +70,10 @@ class FullInference(FullResidual):
 
     def start(self, embedding):
         x = flat_tokens(embedding)
-        if x.shape[0] > BANK_TOKENS or torch.compiler.is_compiling() or not isinstance(self.points, Sequence):
+        rows = len(self.points) if isinstance(self.points, Sequence) else None  # a resumed stream's: only its own
+        if rows is None or torch.compiler.is_compiling() or x.numel() * rows * x.element_size() > BANK_BYTES:
             return super().start(embedding)
-        return FullBankState(x.new_empty(x.shape[0], len(self.points), x.shape[1]), 0, x, embedding.shape)
+        return FullBankState(x.new_empty(x.shape[0], rows, x.shape[1]), 0, x, embedding.shape)
 
     def write(self, state, output):
         if isinstance(state, FullBankState):

@@ -10,7 +10,8 @@ import torch
 from attnres.layers import make_residual, make_stream
 from attnres.layers.depth_attention import DepthAttention, RMSNorm
 from attnres.ops.registry import BACKEND_ENV
-from attnres.layers.full_inference import BANK_TOKENS, FullBankState, FullInference
+from attnres.layers import full_inference
+from attnres.layers.full_inference import FullBankState, FullInference
 from attnres.layers.residuals import ResidualState
 
 LAYERS, D = 3, 64
@@ -48,19 +49,23 @@ def inputs(tokens: int, dtype: torch.dtype):
     return embedding, outputs, norms
 
 
-@pytest.mark.parametrize("tokens", [1, 37, BANK_TOKENS + 1])  # a flattened batch of several sequences
+BANKED = 37  # the most tokens a bank takes below: its bytes, N (2L + 1) d elements, the limit
+
+
+@pytest.mark.parametrize("tokens", [1, BANKED, BANKED + 1])  # a flattened batch of several sequences
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rescale", [False, True])
 def test_reads_equal_full_stream_bit_for_bit(monkeypatch, cpu_kernel_calls, tokens, backend, dtype, rescale):
     monkeypatch.setenv(BACKEND_ENV, backend)
+    monkeypatch.setattr(full_inference, "BANK_BYTES", BANKED * (2 * LAYERS + 1) * D * dtype.itemsize)
     embedding, outputs, norms = inputs(tokens, dtype)
     pts = points()
     want_stream = make_stream("full", embedding, LAYERS, pts, rescale_mixture=rescale)
     want = reads(want_stream, norms, outputs)
     got_stream = make_stream("full", embedding, LAYERS, pts, rescale_mixture=rescale, inference=True)
     assert isinstance(got_stream.residual, FullInference)
-    banked = tokens <= BANK_TOKENS
+    banked = tokens <= BANKED
     assert isinstance(got_stream.state(), FullBankState if banked else ResidualState)
     cpu_kernel_calls.clear()
     got = reads(got_stream, norms, outputs)
