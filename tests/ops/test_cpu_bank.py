@@ -230,3 +230,31 @@ def test_cpu_takes_two_phase_at_inference_only():
 
     assert backend_takes_two_phase("cpu", torch.float32, 512, 8, training=False)
     assert not backend_takes_two_phase("cpu", torch.float32, 512, 8, training=True)
+
+
+def test_bf16_stores_round_to_nearest_even_as_torch():
+    """The kernels' fp32 -> bf16 store (a vector instruction where the CPU has one, bit operations elsewhere) rounds as
+    torch does: the pending add of the prefix against torch's `add_` on sums that fall halfway between two bf16 values,
+    just beside halfway, overflow to infinity, infinities and NaN."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-20, 20, (4096,), generator=g).float())
+    x = x.to(torch.bfloat16).float()
+    half_unit = torch.sign(x) * torch.exp2(torch.floor(torch.log2(x.abs())) - 8)  # half of x's last bf16 unit
+    big = torch.full((64,), 3.3e38)
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 1.0, -1.0, 2.0**-126])
+    a = torch.cat([x, x, x, big, special, special]).to(torch.bfloat16)
+    b = torch.cat([half_unit, half_unit * 1.0625, -half_unit * 0.9375, big, special, special.flip(0)])
+    b = b.to(torch.bfloat16)  # exact: powers of two times a few bits
+    sums = (a.float() + b.float()).view(torch.int32) & 0xFFFF
+    assert int((sums == 0x8000).sum()) > 4000  # ties: x + half its unit, rounded to the even neighbour
+    n = (a.numel() + 15) // 16 * 16
+    prefix = torch.zeros(n, dtype=torch.bfloat16)
+    output = torch.zeros(n, dtype=torch.bfloat16)
+    prefix[: a.numel()], output[: b.numel()] = a, b
+    prefix, output = prefix.view(-1, 16), output.view(-1, 16)
+    bank = torch.zeros(prefix.shape[0], 1, 16, dtype=torch.bfloat16)
+    c = torch.zeros(16)
+    want = prefix.clone().add_(output)
+    cpu.cpu_bank_aggregate(bank, 0, prefix, output, c, None, EPS, OUT_EPS, False)
+    same = (prefix.view(torch.int16) == want.view(torch.int16)) | (prefix.isnan() & want.isnan())
+    assert bool(same.all()), prefix.flatten()[~same.flatten()][:8]

@@ -120,11 +120,22 @@ struct BF16 {
     return reinterpret_cast<Vec<float>>(__builtin_convertvector(load_bits<Bits16>(p), Bits32) << 16);
   }
 #endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  // one instruction rounds to nearest even (the bit operations below take about six), NaN made canonical after it;
+  // it reads subnormal inputs as zero, as every kernel's thread does anyway (FlushSubnormals)
+  static void vstore(uint16_t* p, Vec<float> v) {
+    const __m512 f = __m512(v);
+    __m256i b = (__m256i)_mm512_cvtneps_pbh(f);
+    b = _mm256_mask_mov_epi16(b, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm256_set1_epi16(0x7FC0));
+    store_bits(p, b);
+  }
+#else
   static void vstore(uint16_t* p, Vec<float> v) {
     Bits32 u = reinterpret_cast<Bits32>(v);
     Bits32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     store_bits(p, __builtin_convertvector(v != v ? Bits32{} + 0x7FC0u : rounded, Bits16));
   }
+#endif
 };
 
 struct F16 {
