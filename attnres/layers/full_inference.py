@@ -16,7 +16,7 @@ Where the sources live depends on the bytes of the bank the forward would take, 
 - past it (prefill), the sublayer outputs themselves, as a list: a fresh bank's page faults grow with its bytes and
   then cost as much as its contiguous reads save, or more (1.0x the list's time for an 18 MB bank, 1.25x for 36 MB).
   The state is then `FullResidual`'s.
-Traced (`torch.compile`), always the list: a branch on the token count would specialise the graph.
+Traced (`torch.compile`), always the list: a branch on the bank's bytes (the token count) would specialise the graph.
 """
 
 from __future__ import annotations
