@@ -9,10 +9,10 @@ read (`FoldedQueries`), and each point calls the kernel directly: the mixture is
 Where the sources live depends on the bytes of the bank the forward would take, N (2L + 1) d elements:
 - up to `BANK_BYTES` (a decode step), in one `[N, 2L + 1, d]` bank that lives for the forward: each read writes its
   newest source (the last sublayer output) into the next row and mixes the rows so far, in one
-  `attnres.ops.bank.bank_aggregate` call. Passing a kernel its sources as a list costs about half a microsecond per
-  source in the binding and its checks, 1,891 sources per token at 30 layers: on the CPU kernels the bank's reads
-  take 0.5x the list's time at 1 token and 0.8-0.9x at 64 tokens, a bank of 4.5-9 MB (`python -m
-  benchmarks.full_reads`: d = 576, 30 layers, fp32 and bf16);
+  `attnres.ops.bank.bank_aggregate` call. Passing a kernel its sources as a list costs about 0.4 us per source in
+  the binding and its checks, 1,891 sources per token at 30 layers: on the CPU kernels the bank's reads take 0.5x the
+  list's time at 1 token and 0.83-0.94x at 64 tokens, a bank of 4.5-9 MB (`python -m benchmarks.full_reads`:
+  d = 576, 30 layers, fp32 and bf16);
 - past it (prefill), the sublayer outputs themselves, as a list: a fresh bank's page faults grow with its bytes and
   then cost as much as its contiguous reads save, or more (1.0x the list's time for an 18 MB bank, 1.25x for 36 MB).
   The state is then `FullResidual`'s.
