@@ -27,6 +27,7 @@ def make_residual(
     inference: bool = False,
     layerwise: bool = False,
     chain: bool = False,
+    full_group: int = 0,
 ) -> Residual:
     """The residual object of kind `residual` ("standard", "full" or "block").
 
@@ -36,7 +37,8 @@ def make_residual(
     autograd: for "block" the fused bank (`attnres.layers.bank`), for "full" direct kernel calls
     (`attnres.layers.full_inference`), unless depth is recorded; `layerwise`: those backends read each decoder
     layer's weights during its own reads only (FSDP2 gathers them layer by layer); `chain` makes the points of "full"
-    a chain for the backward (`attnres.ops.chain`: the same gradients, summed in place; for eager training).
+    a chain for the backward (`attnres.ops.chain`: the same gradients, summed in place; for eager training);
+    `full_group`: the points of "full" that phase 1 scores together (`FullResidual`; 0: none).
     """
     if residual not in RESIDUAL_KINDS:
         raise ValueError(f"residual: expected one of {RESIDUAL_KINDS}, got {residual!r}")
@@ -46,7 +48,7 @@ def make_residual(
         return StandardResidual(num_layers, **common)
     if residual == FULL:
         return FullInference(num_layers, points, layerwise=layerwise, **common) if inference else FullResidual(
-            num_layers, points, chain=chain, **common
+            num_layers, points, chain=chain, group=full_group, **common
         )
     if block_size is None:
         raise ValueError("block_size: the block residual needs a block size (in decoder layers)")

@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from attnres.layers.depth_attention import DepthAttention, weight_of
-from attnres.ops import depth_stats, merge_prefix
+from attnres.ops import depth_stats, merge_prefix, merge_sources
 from attnres.ops.registry import PORTABLE, backend_for
-from attnres.ops.two_phase import SoftmaxStats
+from attnres.ops.two_phase import SoftmaxStats, split_stats
 
 
 def without_autograd(fn, *args):
@@ -56,8 +56,9 @@ class ResidualState(NamedTuple):
     carrier: Full in training: the last point's carrier (`attnres.ops.chain`), through which the next points hand the
         gradients of the earlier sources back. Optional: a state rebuilt without it (a pipeline stage's input) starts
         a new chain, with the same gradients.
-    stats: Block: the phase-1 statistics of the points `range(start, stop)` over `rows`, as `(start, stop,
-        SoftmaxStats)`, from the first of them to the last (docs/design.md section 4); never handed to the next layer.
+    stats: the phase-1 statistics of the points `range(start, stop)`, as `(start, stop, SoftmaxStats)`, from the first
+        of them to the last (docs/design.md section 4). Block: over `rows`, never handed to the next layer; Full: over
+        the sources before `start`'s, handed on until the group's last point.
     """
 
     rows: tuple[torch.Tensor, ...] = ()
@@ -204,27 +205,74 @@ class FullResidual(Residual):
 
     With `chain` (training, eager) the points form a chain (`attnres.ops.chain`): each source's gradient is summed in
     place, once, instead of written by every later point and added up by autograd. Recording reads break the chain.
+
+    With `group` G > 1 the points are taken G at a time (docs/design.md section 4): at a group's first point, phase 1
+    scores the sources so far for all G points in one pass (`depth_stats`), and each point of the group then merges in
+    only the sources written since (`merge_sources`). Point l then reads about l / G + G / 2 rows instead of l + 1,
+    forward and backward, and keeps its u (`[N, d]` fp32) for the backward. A group reads the weights of G points
+    from its first: not for FSDP2 (each layer's weights gathered for its own forward only) or a pipeline stage. Off
+    by default: the CPU's phase-1 backward does not yet run at the chain's bandwidth (`benchmarks/full_training.py`).
     """
 
-    def __init__(self, num_layers, points, *, rescale_mixture=False, record=None, chain=False):
+    def __init__(self, num_layers, points, *, rescale_mixture=False, record=None, chain=False, group: int = 0):
         super().__init__(num_layers, points, rescale_mixture=rescale_mixture, record=record)
         check_points(points, num_layers)
         self.chain = chain and not self.depth
+        if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+            raise ValueError(f"group: expected a number of points >= 0 (0 or 1: no groups), got {group!r}")
+        self.group = 0 if self.depth or isinstance(points, Mapping) else group
 
     def start(self, embedding):
         return ResidualState(rows=(embedding,))
 
     def _read(self, state, point, norm):
         sources = state.rows
-        if not self.chain:
-            return self._mix(point, sources, norm), state._replace(carrier=None)
         R = len(sources)
-        carrier = state.carrier
-        out, carrier = self.points[point].chained(sources, carrier, norm, out_eps=self._out_eps(norm, R))
-        return (out if norm is not None else self._finish_unfused(out, R)), state._replace(carrier=carrier)
+        stats = state.stats
+        if stats is None or not stats[0] <= point < stats[1]:
+            stats = self._score(sources, point)
+        if stats is not None:
+            out = self._merge_sources(point, stats, sources, norm)
+            state = ResidualState(sources, stats=None if point + 1 == stats[1] else stats)
+        elif self.chain:
+            out, carrier = self.points[point].chained(sources, state.carrier, norm, out_eps=self._out_eps(norm, R))
+            state = state._replace(carrier=carrier)
+        else:
+            return self._mix(point, sources, norm), state._replace(carrier=None)
+        return (out if norm is not None else self._finish_unfused(out, R)), state
 
     def write(self, state, output):
-        return ResidualState((*state.rows, output), None, state.carrier)
+        return ResidualState((*state.rows, output), None, state.carrier, state.stats)
+
+    def _score(self, sources: tuple[torch.Tensor, ...], point: int) -> tuple[int, int, list[SoftmaxStats]] | None:
+        """Phase 1 of the group that starts at `point`: its points (up to G, with the first one's key eps) against
+        the sources so far."""
+        G = self.group
+        if G < 2:
+            return None
+        eps = self.points[point].eps
+        stop = point + 1
+        while stop < min(point + G, len(self.points)) and self.points[stop].eps == eps:
+            stop += 1
+        at = [self.points[k] for k in range(point, stop)]
+        queries = torch.cat([weight_of(p.proj) for p in at])
+        gains = torch.stack([weight_of(p.norm) for p in at])
+        return point, stop, split_stats(depth_stats(sources, queries, gains, eps=eps))
+
+    def _merge_sources(self, point, stats, sources, norm) -> torch.Tensor:
+        """Phase 2: this point's phase-1 statistics merged with the sources written since its group's first point."""
+        start, _, scored = stats
+        at = self.points[point]
+        return merge_sources(
+            scored[point - start],
+            sources[start + 1:],
+            weight_of(at.proj),
+            weight_of(at.norm),
+            eps=at.eps,
+            out_norm_weight=None if norm is None else weight_of(norm),
+            out_eps=at.eps if norm is None else self._out_eps(norm, len(sources)),
+            dtype=sources[0].dtype,
+        )
 
 
 class BlockResidual(Residual):

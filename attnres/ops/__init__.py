@@ -1,7 +1,7 @@
 """The depth-attention operator and its two-phase form; knows nothing of models."""
 
 from attnres.ops.depth_attention import depth_attention
-from attnres.ops.merge import merge_prefix
+from attnres.ops.merge import merge_prefix, merge_sources
 from attnres.ops.naive import naive_depth_attention, naive_depth_stats
 from attnres.ops.two_phase import SoftmaxStats, depth_stats, finish_stats, merge_stats
 
@@ -11,6 +11,7 @@ __all__ = [
     "depth_stats",
     "finish_stats",
     "merge_prefix",
+    "merge_sources",
     "merge_stats",
     "naive_depth_attention",
     "naive_depth_stats",

@@ -196,6 +196,17 @@ def _check_rows(sources: Sequence[torch.Tensor], u: torch.Tensor) -> list[torch.
     return [x.reshape(-1, u.shape[-1]) for x in xs]
 
 
+def _check_point(query, key_norm_weight, out_norm_weight, eps, out_eps, dtype, d, device) -> tuple[float, float]:
+    """A phase-2 point's own arguments; returns (eps, out_eps) as floats."""
+    check_vector("query", query, d, device, allow_rows=True)
+    check_vector("key_norm_weight", key_norm_weight, d, device)
+    check_vector("out_norm_weight", out_norm_weight, d, device)
+    eps, out_eps = check_eps("eps", eps), check_eps("out_eps", out_eps)
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype: expected one of {FLOAT_DTYPES} or None, got {dtype}")
+    return eps, out_eps
+
+
 def merge_prefix(
     stats: SoftmaxStats,
     prefix: torch.Tensor | None,
@@ -230,12 +241,7 @@ def merge_prefix(
     m, z, u = _check_stats(stats)
     d, device = u.shape[-1], u.device
     _check_prefix(prefix, u)
-    check_vector("query", query, d, device, allow_rows=True)
-    check_vector("key_norm_weight", key_norm_weight, d, device)
-    check_vector("out_norm_weight", out_norm_weight, d, device)
-    eps, out_eps = check_eps("eps", eps), check_eps("out_eps", out_eps)
-    if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype: expected one of {FLOAT_DTYPES} or None, got {dtype}")
+    eps, out_eps = _check_point(query, key_norm_weight, out_norm_weight, eps, out_eps, dtype, d, device)
 
     rows = [] if sources is None else _check_rows(sources, u)
 
@@ -244,4 +250,148 @@ def merge_prefix(
     dtype = u.dtype if dtype is None else dtype
     flat = (m.reshape(-1), z.reshape(-1), u.reshape(-1, d))
     out = merge_prefix_fwd(*flat, x, c, out_norm_weight, eps, out_eps, dtype, rows)
+    return out.reshape(u.shape)
+
+
+# Phase 2 of a group of Full points (design.md section 4): phase 1 scored the sources a group starts with for all its
+# points at once; each point then merges in the K sources written since (K = 0 at the group's first point). Per
+# token, with (m_a, z_a, u_a) the point's phase-1 statistics and c its folded query:
+#
+#     r_k = rsqrt(mean(x_k^2) + eps),  s_k = (c . x_k) r_k,  M = max(m_a, s_1 .. s_K)
+#     e_a = exp(m_a - M),  e_k = exp(s_k - M),  Z = e_a z_a + sum_k e_k,  h = (e_a u_a + sum_k e_k x_k) / Z
+#
+# and out = h or o * RMSNorm(h). The shifts are stop-gradients; with g the gradient reaching h and p_k = e_k / Z:
+#
+#     du_a = e_a g / Z,  dz_a = -e_a (g . h) / Z,  coef_k = p_k (g . x_k - g . h) r_k
+#     dx_k = p_k g + coef_k c - coef_k s_k r_k / d x_k,  dc = sum_tokens sum_k coef_k x_k
+#
+# (the one-shot backward's softmax terms, with the phase-1 set as one more source of weight e_a z_a / Z).
+
+
+def _merge_sources(m, z, u, sources, c, eps):
+    """(h `[N, d]`, Z, e_a, per source (x, e_k, s_k, r_k)), in u's (accumulator) dtype."""
+    xs = [x.to(u.dtype) for x in sources]
+    r = [torch.rsqrt(x.square().mean(-1) + eps) for x in xs]
+    s = [(x @ c) * rk for x, rk in zip(xs, r)]
+    top = torch.stack([m, *s]).amax(0)
+    ea, e = torch.exp(m - top), [torch.exp(sk - top) for sk in s]
+    z_all = ea * z + sum(e, torch.zeros_like(z))
+    acc = ea.unsqueeze(-1) * u
+    for x, ek in zip(xs, e):
+        acc = acc + ek.unsqueeze(-1) * x
+    return acc / z_all.unsqueeze(-1), z_all, ea, list(zip(xs, e, s, r))
+
+
+@portable("merge_sources_fwd")
+def torch_merge_sources_fwd(m, z, u, sources, c, out_norm_weight, eps, out_eps, dtype):
+    """Portable kernel of `merge_sources_fwd` in torch ops."""
+    h = _merge_sources(m, z, u, sources, c, eps)[0]
+    if out_norm_weight is not None:
+        h = rms_normalize(h, out_norm_weight, out_eps)[0]
+    return h.to(dtype)
+
+
+@portable("merge_sources_bwd")
+def torch_merge_sources_bwd(grad_out, m, z, u, sources, c, out_norm_weight, eps, out_eps):
+    """Portable kernel of `merge_sources_bwd` in torch ops."""
+    h, z_all, ea, terms = _merge_sources(m, z, u, sources, c, eps)
+    g = grad_out.to(u.dtype)
+    d_out_w = u.new_empty(0)
+    if out_norm_weight is not None:
+        g, d_out_w = rms_normalize_backward(g, h, rms_normalize(h, None, out_eps)[1], out_norm_weight)
+    gh = (g * h).sum(-1)
+    dxs, dc = [], None if c is None else torch.zeros_like(c)
+    for x, ek, s, r in terms:
+        p = ek / z_all
+        coef = p * ((g * x).sum(-1) - gh) * r
+        dxs.append((p.unsqueeze(-1) * g + coef.unsqueeze(-1) * c - (coef * s * r / x.shape[-1]).unsqueeze(-1) * x).to(
+            sources[0].dtype))
+        dc += coef @ x
+    w = ea / z_all
+    return w.unsqueeze(-1) * g, -w * gh, dxs, u.new_empty(0) if dc is None else dc, d_out_w
+
+
+@torch.library.custom_op("attnres::merge_sources_fwd", mutates_args=())
+def merge_sources_fwd(
+    m: torch.Tensor, z: torch.Tensor, u: torch.Tensor, sources: list[torch.Tensor], c: torch.Tensor | None,
+    out_norm_weight: torch.Tensor | None, eps: float, out_eps: float, dtype: torch.dtype,
+) -> torch.Tensor:
+    """m, z `[N]`, u `[N, d]` (accumulator dtype), K >= 0 sources `[N, d]` (any token stride, unit stride along d; c
+    `[d]` needed when K > 0) -> out `[N, d]` in `dtype`, fresh and contiguous."""
+    return kernel("merge_sources_fwd", u)(m, z, u, sources, c, out_norm_weight, eps, out_eps, dtype)
+
+
+@merge_sources_fwd.register_fake
+def _(m, z, u, sources, c, out_norm_weight, eps, out_eps, dtype):
+    return u.new_empty(u.shape, dtype=dtype)
+
+
+@torch.library.custom_op("attnres::merge_sources_bwd", mutates_args=())
+def merge_sources_bwd(
+    grad_out: torch.Tensor, m: torch.Tensor, z: torch.Tensor, u: torch.Tensor, sources: list[torch.Tensor],
+    c: torch.Tensor | None, out_norm_weight: torch.Tensor | None, eps: float, out_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """grad_out `[N, d]` and the forward's inputs. Returns grads (u `[N, d]`, z `[N]`, each source in its dtype, c
+    `[d]`, out_norm_weight `[d]`), all but the sources' in the accumulator dtype; m is a stop-gradient. The grad of c
+    (without sources) or of the gain (without one) is empty."""
+    return kernel("merge_sources_bwd", u)(grad_out, m, z, u, sources, c, out_norm_weight, eps, out_eps)
+
+
+@merge_sources_bwd.register_fake
+def _(grad_out, m, z, u, sources, c, out_norm_weight, eps, out_eps):
+    dc = u.new_empty(0) if c is None or not sources else c.new_empty(c.shape)
+    d_out_w = u.new_empty(0) if out_norm_weight is None else u.new_empty(out_norm_weight.shape)
+    return u.new_empty(u.shape), z.new_empty(z.shape), [x.new_empty(x.shape) for x in sources], dc, d_out_w
+
+
+def _setup_sources_context(ctx, inputs, output):
+    m, z, u, sources, c, out_norm_weight, eps, out_eps, dtype = inputs
+    ctx.save_for_backward(m, z, u, c, out_norm_weight, *sources)
+    ctx.eps, ctx.out_eps = eps, out_eps
+    ctx.out_norm_dtype = None if out_norm_weight is None else out_norm_weight.dtype
+
+
+def _sources_backward(ctx, grad_out):
+    m, z, u, c, out_norm_weight, *sources = ctx.saved_tensors
+    du, dz, dxs, dc, d_out_w = merge_sources_bwd(
+        grad_out.contiguous(), m, z, u, sources, c, out_norm_weight, ctx.eps, ctx.out_eps
+    )
+    dc = dc if sources and c is not None else None
+    d_out_w = None if out_norm_weight is None else d_out_w.to(ctx.out_norm_dtype)
+    return None, dz, du, list(dxs) if sources else [], dc, d_out_w, None, None, None
+
+
+merge_sources_fwd.register_autograd(_sources_backward, setup_context=_setup_sources_context)
+
+
+def merge_sources(
+    stats: SoftmaxStats,
+    sources: Sequence[torch.Tensor],
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+    out_norm_weight: torch.Tensor | None = None,
+    out_eps: float = 1e-6,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Phase 2 of one point of a Full group: its phase-1 statistics merged with the sources written since, finished.
+
+    Args:
+        stats: the point's phase-1 statistics of one query: m, z `[...]`, u `[..., d]` (fp32; fp64 for gradcheck).
+        sources: K >= 0 tensors `[..., d]` of u's shape (one dtype), scored against the query and merged.
+        query, key_norm_weight, eps, out_norm_weight, out_eps, dtype: as for `merge_prefix`.
+
+    Returns:
+        `finish_stats(merge_stats(stats, depth_stats(sources, query, key_norm_weight)), out_norm_weight)` `[..., d]`
+        (without sources, `finish_stats(stats, ...)`). Differentiable w.r.t. z, u, the sources, query and both gains;
+        m is a stop-gradient shift.
+    """
+    m, z, u = _check_stats(stats)
+    d, device = u.shape[-1], u.device
+    xs = _check_rows(sources, u) if len(sources) else []
+    eps, out_eps = _check_point(query, key_norm_weight, out_norm_weight, eps, out_eps, dtype, d, device)
+    c = fold_query(query, key_norm_weight, u.dtype) if xs else None
+    out = merge_sources_fwd(m.reshape(-1), z.reshape(-1), u.reshape(-1, d), xs, c, out_norm_weight, eps, out_eps,
+                            u.dtype if dtype is None else dtype)
     return out.reshape(u.shape)

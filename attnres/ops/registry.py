@@ -5,7 +5,7 @@ device may have a backend: the Triton kernels on CUDA (`attnres.ops.triton.KERNE
 (`attnres.ops.cpu.KERNELS`), each a mapping from op to kernel with the sizes it takes, loaded on first use.
 `kernel(op, x)` gives the kernel that serves tensors like `x`: the device backend's where it has one for that op and
 the tensor fits, the portable one otherwise. Each kernel keeps the contract written on its op
-(`attnres::depth_attention_fwd/bwd`, `attnres::depth_stats_fwd/bwd`, `attnres::merge_prefix_fwd/bwd`,
+(`attnres::depth_attention_fwd/bwd`, `attnres::depth_stats_fwd/bwd`, `attnres::merge_prefix_fwd/bwd`, `attnres::merge_sources_fwd/bwd`,
 `attnres.ops.bank.bank_aggregate/bank_merge`, `attnres.ops.depth_attention.point_fwd_from`'s and
 `attnres.ops.chain`'s); the fused bank ops are stored behind those ops' checks.
 
@@ -36,6 +36,7 @@ OPS = (
     "point", "chained_point",
     "depth_stats_fwd", "depth_stats_bwd",  # phase 1 (ops/two_phase.py)
     "merge_prefix_fwd", "merge_prefix_bwd",  # phase 2 (ops/merge.py)
+    "merge_sources_fwd", "merge_sources_bwd",  # phase 2 of a group of Full points (ops/merge.py)
     "bank_aggregate", "bank_merge",  # the fused inference ops (ops/bank.py)
 )
 STATS_OPS = frozenset({"depth_stats_fwd", "depth_stats_bwd"})  # the ops whose rows (sources, queries) are limited

@@ -166,6 +166,37 @@ def depth_stats(
     return SoftmaxStats(m.detach().reshape(lead), z.reshape(lead), u.reshape(*lead, xs[0].shape[-1]))
 
 
+class _PerQuery(torch.autograd.Function):
+    """The rows of phase 1's z `[S, ...]` and u `[S, ..., d]` as 2S outputs. Indexed one at a time, each query's
+    gradient would be written into a zero `[S, ..., d]` tensor of its own and the S of them added up; here they are
+    stacked once."""
+
+    @staticmethod
+    def forward(ctx, z, u):
+        ctx.set_materialize_grads(False)
+        ctx.like = (z[0], u[0])
+        return (*z.unbind(0), *u.unbind(0))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        S = len(grads) // 2
+
+        def stacked(part, like):
+            if all(g is None for g in part):
+                return None
+            return torch.stack([torch.zeros_like(like) if g is None else g for g in part])
+
+        return stacked(grads[:S], ctx.like[0]), stacked(grads[S:], ctx.like[1])
+
+
+def split_stats(stats: SoftmaxStats) -> list[SoftmaxStats]:
+    """Phase 1's statistics of S queries as S `SoftmaxStats`, one per query, whose gradients reach the S-query ones
+    in one stack (no zero-filled `[S, ..., d]` tensor per query)."""
+    S = stats.u.shape[0]
+    rows = _PerQuery.apply(stats.z, stats.u)
+    return [SoftmaxStats(stats.m[q], rows[q], rows[S + q]) for q in range(S)]
+
+
 def merge_stats(a: SoftmaxStats, b: SoftmaxStats) -> SoftmaxStats:
     """Phase 2: the statistics of the union of two disjoint source sets, from theirs (exact, order-free)."""
     if a.u.shape != b.u.shape:

@@ -3,7 +3,7 @@ ops: a compiled kernel that streams each source once (for all queries of phase 1
 the bank rows `bank[:, j]`, in place.
 
 The functions are the CPU kernels of the `attnres::depth_attention_fwd/bwd` and `attnres::depth_stats_fwd/bwd` custom
-ops, of an aggregation point from its parameters (`attnres.ops.depth_attention.point_fwd_from`, and as whole ops with
+ops and `attnres::merge_sources_fwd/bwd`, of an aggregation point from its parameters (`attnres.ops.depth_attention.point_fwd_from`, and as whole ops with
 their own autograd: `point` and `chained_point`) and of `attnres.ops.bank.bank_aggregate/bank_merge`, registered by op
 in `KERNELS` (`attnres.ops.registry`); the contracts and the argument checks live with those ops.
 `available()` says whether the kernel could be built and loaded (it compiles on first call, see `build.py`; the
@@ -132,6 +132,17 @@ def cpu_bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps):
     return _ops().bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps)
 
 
+def cpu_merge_sources_fwd(m, z, u, sources, c, out_norm_weight, eps, out_eps, dtype):
+    """Kernel of `attnres::merge_sources_fwd`: one pass per token over u and the sources."""
+    return _ops().merge_sources_fwd(m, z, u, sources, c, out_norm_weight, eps, out_eps, dtype)
+
+
+def cpu_merge_sources_bwd(grad_out, m, z, u, sources, c, out_norm_weight, eps, out_eps):
+    """Kernel of `attnres::merge_sources_bwd`: h recomputed per token, every gradient from the same pass."""
+    du, dz, grads, dc, d_out_w = _ops().merge_sources_bwd(grad_out, m, z, u, sources, c, out_norm_weight, eps, out_eps)
+    return du, dz, list(grads), dc, d_out_w
+
+
 # Phase 2's backward (merge_prefix_bwd) has no CPU kernel, so two-phase training is not taken here: its torch ops cost
 # more than the reads it saves. Inference runs the fused bank_merge and pays where two_phase_pays says (0.61-0.72x
 # fp32, level bf16).
@@ -146,6 +157,8 @@ KERNELS = Backend("cpu", {
     "chained_point": cpu_chained_point,
     "depth_stats_fwd": cpu_depth_stats_fwd,
     "depth_stats_bwd": cpu_depth_stats_bwd,
+    "merge_sources_fwd": cpu_merge_sources_fwd,
+    "merge_sources_bwd": cpu_merge_sources_bwd,
     "bank_aggregate": validated(check_bank_aggregate, cpu_bank_aggregate),
     "bank_merge": validated(check_bank_merge, cpu_bank_merge),
 })

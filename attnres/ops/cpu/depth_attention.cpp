@@ -1093,6 +1093,115 @@ void bank_merge_kernel(const typename K::acc* m, const typename K::acc* z, Rows<
   });
 }
 
+// Phase 2 of a group of Full points (attnres/ops/merge.py, merge_sources), per token: the point's phase-1 statistics
+// (m, z, u) merged with the K sources written since. merge_token leaves acc = e_a u + sum_k e_k x_k and returns
+// Z = e_a z + sum_k e_k, with each source's e_k, score s_k and key rstd r_k (the forward's and the backward's code).
+template <class K>
+struct SourcesMerge {
+  using A = typename K::acc;
+  const A *m, *z;
+  Rows<const A> u;
+  const std::vector<Rows<const typename K::raw>>& src;
+  const A *c, *out_w;
+  double eps, out_eps;
+  int64_t n_tok, d;
+};
+
+template <class K, class A = typename K::acc>
+A merge_token(const SourcesMerge<K>& a, int64_t n, const typename K::raw** x, A* e, A* s, A* r, A& ea, A* acc,
+              Vec<A>* scratch) {
+  const int64_t count = int64_t(a.src.size()), d = a.d;
+  for (int64_t k = 0; k < count; ++k) x[k] = a.src[k][n];
+  if (count > 0) dot_rows<K>(x, count, &a.c, 1, d, scratch, s, r);
+  A top = a.m[n];
+  for (int64_t k = 0; k < count; ++k) {
+    r[k] = rsqrt(r[k] / A(d) + A(a.eps));
+    s[k] *= r[k];
+    top = std::max(top, s[k]);
+  }
+  ea = std::exp(a.m[n] - top);
+  A z = ea * a.z[n];
+  for (int64_t k = 0; k < count; ++k) z += e[k] = std::exp(s[k] - top);
+  std::memcpy(acc, a.u[n], d * sizeof(A));
+  mix_rows<K>(x, e, count, true, ea, d, acc);
+  return z;
+}
+
+template <class K>
+void merge_sources_kernel(const SourcesMerge<K>& a, typename K::raw* out) {
+  using A = typename K::acc;
+  const int64_t count = int64_t(a.src.size()), d = a.d;
+  parallel_tokens(a.n_tok, grain_size(count + 2, d), [&](int64_t begin, int64_t end) {
+    std::vector<A> e(count), s(count), r(count), acc(d);
+    std::vector<Vec<A>> scratch(4 * std::max<int64_t>(count, 1));  // dot_rows with one row y
+    std::vector<const typename K::raw*> x(count);
+    for (int64_t n = begin; n < end; ++n) {
+      A ea;
+      const A z = merge_token<K>(a, n, x.data(), e.data(), s.data(), r.data(), ea, acc.data(), scratch.data());
+      store_mixture<K>(out + n * d, acc.data(), A(1) / z, a.out_w, a.out_eps, d);
+    }
+  });
+}
+
+// Its backward, per token: h again, the gradient g reaching it (through the output norm), then with p_k = e_k / Z
+//   coef_k = p_k (g . x_k - g . h) r_k,  dx_k = p_k g + coef_k c - coef_k s_k r_k / d x_k,  dc += coef_k x_k,
+//   du = e_a g / Z,  dz = -e_a (g . h) / Z.
+template <class K>
+void merge_sources_backward_kernel(const SourcesMerge<K>& a, Rows<const typename K::raw> grad_out,
+                                   const std::vector<typename K::raw*>& grads, typename K::acc* du,
+                                   typename K::acc* dz, typename K::acc* dc, typename K::acc* d_out_w) {
+  using A = typename K::acc;
+  using R = typename K::raw;
+  using P = Plain<A>;
+  constexpr int64_t w = kWidth<A>;
+  const int64_t count = int64_t(a.src.size()), d = a.d;
+  const int64_t n_threads = at::get_num_threads();
+  std::vector<A> dc_part(n_threads * d, A(0)), dw_part(a.out_w ? n_threads * d : 0, A(0));
+  parallel_tokens(a.n_tok, grain_size(2 * count + 3, d), [&](int64_t begin, int64_t end) {
+    A* dc_acc = dc_part.data() + at::get_thread_num() * d;
+    A* dw_acc = a.out_w ? dw_part.data() + at::get_thread_num() * d : nullptr;
+    std::vector<A> e(count), s(count), r(count), gx(count), h(d), g(d);
+    std::vector<Vec<A>> scratch(4 * std::max<int64_t>(count, 1));  // dot_rows with one row y
+    std::vector<const R*> x(count);
+    for (int64_t n = begin; n < end; ++n) {
+      A ea;
+      const A inv_z = A(1) / merge_token<K>(a, n, x.data(), e.data(), s.data(), r.data(), ea, h.data(), scratch.data());
+      for (int64_t i = 0; i < d; ++i) h[i] *= inv_z;
+      load_row<K>(g.data(), grad_out[n], d);
+      if (a.out_w != nullptr) out_norm_backward(g.data(), h.data(), a.out_w, a.out_eps, d, dw_acc);
+      const A* gp = g.data();
+      const A* hp = h.data();
+      A gh;
+      dot_rows<Plain<A>>(&hp, 1, &gp, 1, d, scratch.data(), &gh, nullptr);
+      if (count > 0) dot_rows<K>(x.data(), count, &gp, 1, d, scratch.data(), gx.data(), nullptr);
+      for (int64_t k = 0; k < count; ++k) {
+        const A p = e[k] * inv_z, coef = p * (gx[k] - gh) * r[k], shrink = coef * s[k] * r[k] / A(d);
+        R* dx = grads[k] + n * d;
+        int64_t i = 0;
+        for (; i + w <= d; i += w) {
+          const Vec<A> xv = K::vload(x[k] + i);
+          K::vstore(dx + i, source_grad(splat(p), P::vload(gp + i), splat(coef), P::vload(a.c + i), splat(shrink), xv));
+          P::vstore(dc_acc + i, P::vload(dc_acc + i) + splat(coef) * xv);
+        }
+        for (; i < d; ++i) {
+          const A xv = K::load(x[k][i]);
+          dx[i] = K::store(source_grad(p, gp[i], coef, a.c[i], shrink, xv));
+          dc_acc[i] += coef * xv;
+        }
+      }
+      const A wa = ea * inv_z;
+      store_row<Plain<A>>(du + n * d, gp, wa, static_cast<const A*>(nullptr), d);
+      dz[n] = -wa * gh;
+    }
+  });
+  for (int64_t t = 0; t < n_threads; ++t) {
+    if (count > 0)
+      for (int64_t i = 0; i < d; ++i) dc[i] += dc_part[t * d + i];
+    if (a.out_w != nullptr)
+      for (int64_t i = 0; i < d; ++i) d_out_w[i] += dw_part[t * d + i];
+  }
+}
+
 // Calls f(K{}) with the storage format of `dtype`.
 template <class F>
 void dispatch(at::ScalarType dtype, F&& f) {
@@ -1648,6 +1757,92 @@ at::Tensor bank_merge(const at::Tensor& m, const at::Tensor& z, const at::Tensor
   return out;
 }
 
+// Host side of merge_sources: m, z [N], u [N, d] in the accumulator dtype; K >= 0 sources of `dtype` read in place.
+struct SourcesProblem {
+  at::ScalarType dtype, acc;
+  int64_t n_tok, d;
+  at::Tensor m, z, u, c, out_w;
+  std::vector<Rows<const void>> rows;
+  std::vector<at::Tensor> copies;
+
+  SourcesProblem(const at::Tensor& m_, const at::Tensor& z_, const at::Tensor& u_, at::TensorList sources,
+                 const std::optional<at::Tensor>& c_, const std::optional<at::Tensor>& out_norm_weight,
+                 at::ScalarType dtype_)
+      : dtype(dtype_), acc(u_.scalar_type()), n_tok(u_.size(0)), d(u_.size(-1)) {
+    TORCH_CHECK(u_.device().is_cpu() && u_.dim() == 2 && d > 0 && m_.numel() == n_tok && z_.numel() == n_tok,
+                "attnres_cpu: expected m, z [N], u [N, d] on the CPU");
+    TORCH_CHECK(acc == (dtype == at::kDouble ? at::kDouble : at::kFloat),
+                "attnres_cpu: expected u in the accumulator dtype of ", dtype);
+    m = acc_vector(m_, n_tok, acc), z = acc_vector(z_, n_tok, acc);
+    u = u_.stride(-1) == 1 ? u_ : u_.contiguous();
+    for (const auto& x : sources) {
+      TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dtype && x.numel() == n_tok * d,
+                  "attnres_cpu: expected sources [N, d] of dtype ", dtype);
+      const int64_t stride = row_stride(x, d);
+      if (stride >= 0) {
+        rows.push_back({x.data_ptr(), stride});
+      } else {
+        copies.push_back(as_rows(x, n_tok, d));
+        rows.push_back({copies.back().data_ptr(), copies.back().stride(0)});
+      }
+    }
+    TORCH_CHECK(sources.empty() || c_, "attnres_cpu: merging sources needs c");
+    if (c_) c = acc_vector(*c_, d, acc);
+    if (out_norm_weight) out_w = acc_vector(*out_norm_weight, d, acc);
+  }
+  template <class K>
+  std::vector<Rows<const typename K::raw>> source_rows() const {
+    std::vector<Rows<const typename K::raw>> out;
+    for (const auto& r : rows) out.push_back({static_cast<const typename K::raw*>(r.data), r.stride});
+    return out;
+  }
+  template <class K>
+  SourcesMerge<K> args(const std::vector<Rows<const typename K::raw>>& src, double eps, double out_eps) const {
+    using A = typename K::acc;
+    return {m.data_ptr<A>(), z.data_ptr<A>(), rows_in_place<const A>(u, n_tok, d), src,
+            c.defined() ? c.data_ptr<A>() : nullptr, out_w.defined() ? out_w.data_ptr<A>() : nullptr, eps, out_eps,
+            n_tok, d};
+  }
+};
+
+at::Tensor merge_sources_fwd(const at::Tensor& m, const at::Tensor& z, const at::Tensor& u, at::TensorList sources,
+                             const std::optional<at::Tensor>& c, const std::optional<at::Tensor>& out_norm_weight,
+                             double eps, double out_eps, at::ScalarType dtype) {
+  SourcesProblem p(m, z, u, sources, c, out_norm_weight, dtype);
+  auto out = new_output({p.n_tok, p.d}, dtype);
+  dispatch(dtype, [&](auto k) {
+    using K = decltype(k);
+    const auto src = p.source_rows<K>();
+    merge_sources_kernel<K>(p.args<K>(src, eps, out_eps), static_cast<typename K::raw*>(out.data_ptr()));
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor> merge_sources_bwd(
+    const at::Tensor& grad_out, const at::Tensor& m, const at::Tensor& z, const at::Tensor& u, at::TensorList sources,
+    const std::optional<at::Tensor>& c, const std::optional<at::Tensor>& out_norm_weight, double eps,
+    double out_eps) {
+  const auto dtype = grad_out.scalar_type();
+  SourcesProblem p(m, z, u, sources, c, out_norm_weight, dtype);
+  auto g = as_rows(grad_out, p.n_tok, p.d);
+  auto du = new_output({p.n_tok, p.d}, p.acc);
+  auto dz = at::empty({p.n_tok}, du.options());
+  std::vector<at::Tensor> grads;
+  for (size_t k = 0; k < sources.size(); ++k) grads.push_back(new_output({p.n_tok, p.d}, dtype));
+  auto dc = sources.empty() ? at::empty({0}, du.options()) : at::zeros({p.d}, du.options());
+  auto d_out_w = out_norm_weight ? at::zeros({p.d}, du.options()) : at::empty({0}, du.options());
+  dispatch(dtype, [&](auto k) {
+    using K = decltype(k);
+    using A = typename K::acc;
+    using R = typename K::raw;
+    const auto src = p.source_rows<K>();
+    merge_sources_backward_kernel<K>(p.args<K>(src, eps, out_eps), rows_of<const R>(g), pointers<R>(grads),
+                                     du.data_ptr<A>(), dz.data_ptr<A>(), dc.data_ptr<A>(), d_out_w.data_ptr<A>());
+  });
+  for (size_t k = 0; k < sources.size(); ++k) grads[k] = grads[k].view(sources[k].sizes());
+  return {du, dz, grads, dc, d_out_w};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnres_cpu, m) {
@@ -1677,6 +1872,10 @@ TORCH_LIBRARY(attnres_cpu, m) {
         " float eps, float out_eps, bool write) -> Tensor");
   m.def("bank_merge(Tensor m, Tensor z, Tensor u, Tensor(a!) prefix, Tensor? output, Tensor c, Tensor? out_norm_weight,"
         " float eps, float out_eps) -> Tensor");
+  m.def("merge_sources_fwd(Tensor m, Tensor z, Tensor u, Tensor[] sources, Tensor? c, Tensor? out_norm_weight,"
+        " float eps, float out_eps, ScalarType dtype) -> Tensor");
+  m.def("merge_sources_bwd(Tensor grad_out, Tensor m, Tensor z, Tensor u, Tensor[] sources, Tensor? c,"
+        " Tensor? out_norm_weight, float eps, float out_eps) -> (Tensor, Tensor, Tensor[], Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
@@ -1692,6 +1891,8 @@ TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("depth_stats_bwd", &depth_stats_bwd);
   m.impl("bank_aggregate", &bank_aggregate);
   m.impl("bank_merge", &bank_merge);
+  m.impl("merge_sources_fwd", &merge_sources_fwd);
+  m.impl("merge_sources_bwd", &merge_sources_bwd);
 }
 
 // The two points are their own autograd: the same kernel serves the Autograd key and, for inference tensors (which

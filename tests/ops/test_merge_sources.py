@@ -1,0 +1,124 @@
+"""Phase 2 of a group of Full points (`attnres.ops.merge_sources`): against the one-shot operator over the same
+sources, outputs and every gradient (through phase 1 too); fp64 gradcheck of the hand-written backward; the CPU
+kernel against the torch twin (strided sources, d off the vector width, bf16); the fake kernels' shapes; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from attnres.ops import SoftmaxStats, depth_attention, depth_stats, merge_sources
+from attnres.ops import registry
+from attnres.ops.cpu import available as cpu_kernel_available
+from attnres.ops.two_phase import split_stats
+from tests import TOL, assert_all_close, leaves
+
+EPS, OUT_EPS = 1e-6, 1e-5
+
+
+def problem(d=16, n=7, before=4, after=3, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    xs = [(3 * torch.randn(n, d, generator=g)).to(dtype) for _ in range(before + after)]
+    query, gain = torch.randn(1, d, generator=g, dtype=torch.float64), torch.rand(d, generator=g, dtype=torch.float64)
+    out_w = torch.rand(d, generator=g, dtype=torch.float64) + 0.5
+    return xs, query.to(torch.float32 if dtype != torch.float64 else dtype), (gain + 0.5).to(query.dtype), out_w
+
+
+@pytest.mark.parametrize("out_norm", [False, True])
+@pytest.mark.parametrize("after", [0, 1, 3])
+def test_phase_1_then_merge_sources_equals_the_one_shot_operator(after, out_norm):
+    xs, query, gain, out_w = problem(after=after)
+    weight = out_w if out_norm else None
+    a = leaves(*xs, query, gain, weight)
+    b = leaves(*xs, query, gain, weight)
+    stats = depth_stats(a[:4], a[-3], a[-2].unsqueeze(0), eps=EPS)
+    stats = SoftmaxStats(*(t[0] for t in stats))
+    out = merge_sources(stats, a[4:-3], a[-3], a[-2], eps=EPS, out_norm_weight=a[-1], out_eps=OUT_EPS)
+    ref = depth_attention(b[:-3], b[-3], b[-2], eps=EPS, out_norm_weight=b[-1], out_eps=OUT_EPS)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(ref)
+    wrt_a = [t for t in a if t is not None]
+    wrt_b = [t for t in b if t is not None]
+    for ga, gb in zip(torch.autograd.grad(out, wrt_a, grad), torch.autograd.grad(ref, wrt_b, grad)):
+        torch.testing.assert_close(ga, gb, rtol=1e-10, atol=1e-10)
+
+
+def test_the_backward_passes_gradcheck():
+    xs, query, gain, out_w = problem(d=8, n=3, before=2, after=2)
+    stats = depth_stats(xs[:2], query, gain.unsqueeze(0), eps=EPS)
+    m, z, u = (t[0].detach() for t in stats)
+
+    def f(z, u, x2, x3, query, gain, out_w):
+        return merge_sources(SoftmaxStats(m, z, u), [x2, x3], query, gain, eps=EPS, out_norm_weight=out_w)
+
+    assert torch.autograd.gradcheck(f, tuple(leaves(z, u, xs[2], xs[3], query, gain, out_w)))
+
+
+def test_split_stats_gives_the_gradients_of_indexing():
+    xs, query, gain, _ = problem()
+    queries = torch.cat([query, 2 * query, -query])
+    a, b = leaves(*xs[:4]), leaves(*xs[:4])
+    grads = [torch.randn(7, 16, dtype=torch.float64) for _ in range(3)]
+    split = split_stats(depth_stats(a, queries, eps=EPS))
+    indexed = depth_stats(b, queries, eps=EPS)
+    loss_a = sum((s.u * g).sum() + s.z.sum() for s, g in zip(split[:2], grads))  # the last query unused
+    loss_b = sum((indexed.u[q] * g).sum() + indexed.z[q].sum() for q, g in zip(range(2), grads))
+    for ga, gb in zip(torch.autograd.grad(loss_a, a), torch.autograd.grad(loss_b, b)):
+        torch.testing.assert_close(ga, gb)
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="the CPU kernel could not be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,after,out_norm", [(576, 3, True), (100, 1, False), (7, 2, True), (64, 0, True)])
+def test_the_cpu_kernel_matches_the_torch_twin(monkeypatch, dtype, d, after, out_norm):
+    bank = (3 * torch.randn(9, 5, d)).to(dtype)  # sources read in place as bank rows [:, j]
+    xs = [bank[:, j] for j in range(5)]
+    g = torch.Generator().manual_seed(1)
+    query, gain = 0.3 * torch.randn(1, d, generator=g), torch.rand(d, generator=g) + 0.5
+    out_w = torch.rand(d, generator=g) + 0.5 if out_norm else None
+
+    def run():  # through phase 1: with the output norm, z's own gradient is a near-cancellation (h . dh ~ 0)
+        ins = leaves(*xs[:2 + after], query, gain, out_w)
+        stats = split_stats(depth_stats(ins[:2], ins[2 + after], ins[3 + after].unsqueeze(0), eps=EPS))[0]
+        out = merge_sources(stats, ins[2:2 + after], ins[2 + after], ins[3 + after], eps=EPS,
+                            out_norm_weight=ins[-1], out_eps=OUT_EPS, dtype=dtype)
+        wrt = [t for t in ins if t is not None]
+        return [out, *torch.autograd.grad(out, wrt, torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(dtype))]
+
+    assert registry.kernel("merge_sources_bwd", xs[0]).__name__ == "cpu_merge_sources_bwd"
+    fast = run()
+    monkeypatch.setenv(registry.BACKEND_ENV, "torch")
+    assert registry.kernel("merge_sources_bwd", xs[0]).__name__ == "torch_merge_sources_bwd"
+    twin = run()
+    names = ["out", *[f"x{k}" for k in range(2 + after)], "query", "gain"] + (["out_w"] if out_norm else [])
+    assert_all_close(names, twin, fast, TOL[dtype])
+
+
+@pytest.mark.parametrize("with_sources,with_norm", [(False, False), (False, True), (True, False), (True, True)])
+def test_fake_gradients_match_the_real_ones(with_sources, with_norm):
+    g = torch.Generator().manual_seed(0)
+    m, z, u = torch.randn(5, generator=g), torch.rand(5, generator=g) + 1, torch.randn(5, 8, generator=g)
+    sources = [torch.randn(5, 8, generator=g).bfloat16() for _ in range(2)] if with_sources else []
+    c = torch.randn(8, generator=g) if with_sources else None
+    weight = torch.rand(8, generator=g) + 0.5 if with_norm else None
+    args = (torch.randn(5, 8, generator=g).bfloat16(), m, z, u, sources, c, weight, 1e-6, 1e-6)
+    real = torch.ops.attnres.merge_sources_bwd(*args)
+    with FakeTensorMode() as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else
+                     [mode.from_tensor(t) for t in a] if isinstance(a, list) else a for a in args]
+        fake = torch.ops.attnres.merge_sources_bwd(*fake_args)
+    flat = lambda r: [r[0], r[1], *r[2], r[3], r[4]]  # noqa: E731
+    for r, f in zip(flat(real), flat(fake), strict=True):
+        assert (tuple(f.shape), f.dtype) == (tuple(r.shape), r.dtype)
+
+
+def test_bad_input_is_named():
+    xs, query, gain, _ = problem(dtype=torch.float32)
+    stats = SoftmaxStats(*(t[0] for t in depth_stats(xs[:4], query, gain.unsqueeze(0))))
+    with pytest.raises(ValueError, match="sources"):
+        merge_sources(stats, [torch.randn(7, 15)], query, gain)
+    with pytest.raises(ValueError, match="query"):
+        merge_sources(stats, xs[4:], torch.randn(1, 15), gain)
+    with pytest.raises(TypeError, match="stats"):
+        merge_sources((stats.m, stats.z), xs[4:], query, gain)
