@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from attnres.atomic import atomic_write_text
+from attnres.bench.timing import median_times
 from attnres.ops.registry import kernel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -76,15 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.dtypes:
         for tokens in args.tokens:
             fns = reads(points, tokens, args.dim, DTYPES[name])
-            times = {form: [] for form in fns}
-            for fn in fns.values():  # warm-up
-                fn()
-            for _ in range(args.rounds or max(5, 400 // tokens)):
-                for form, fn in fns.items():
-                    start = time.perf_counter()
-                    fn()
-                    times[form].append(time.perf_counter() - start)
-            ms = {form: 1e3 * statistics.median(t) for form, t in times.items()}
+            seconds = median_times(fns, args.rounds or max(5, 400 // tokens))
+            ms = {form: 1e3 * s for form, s in seconds.items()}
             results.append({"dtype": name, "tokens": tokens, "ms": ms, "bank_over_list": ms["bank"] / ms["list"]})
             print(f"{name} N={tokens:5d}: list {ms['list']:8.3f} ms, bank {ms['bank']:8.3f} ms, "
                   f"bank / list {ms['bank'] / ms['list']:.2f}")

@@ -15,15 +15,15 @@ The ways alternate round by round (a change in the machine's load reaches all al
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from attnres.atomic import atomic_write_text
+from attnres.bench.timing import median_times
 from attnres.layers.depth_attention import DepthAttention, RMSNorm
 from attnres.layers.residuals import FullResidual
 
@@ -79,15 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in args.dtypes:
         run = step(args.layers, args.tokens, args.dim, DTYPES[name])
-        times = {way: [] for way in ways}
-        for options in ways.values():  # warm-up
-            run(**options)
-        for _ in range(args.rounds):
-            for way, options in ways.items():
-                start = time.perf_counter()
-                run(**options)
-                times[way].append(time.perf_counter() - start)
-        ms = {way: 1e3 * statistics.median(t) for way, t in times.items()}
+        seconds = median_times({way: functools.partial(run, **options) for way, options in ways.items()}, args.rounds)
+        ms = {way: 1e3 * s for way, s in seconds.items()}
         over_chain = {way: ms[way] / ms["chain"] for way in ways}
         results.append({"dtype": name, "ms": ms, "over_chain": over_chain})
         print(f"{name}: chain {ms['chain']:.1f} ms; "

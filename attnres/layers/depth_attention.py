@@ -191,10 +191,14 @@ class FoldedQueries:
         return got
 
 
+def stacked_weights(points: Sequence[DepthAttention]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(queries, key norm gains) of `points`, each `[S, d]`, as phase 1 and the query fold take them."""
+    return torch.cat([weight_of(p.proj) for p in points]), torch.stack([weight_of(p.norm) for p in points])
+
+
 def fold_queries(points: Sequence[DepthAttention], dtype: torch.dtype, keys: Sequence[int]) -> dict:
     """{key: (c, eps)} for `points` (named by `keys`), all folded in one multiply (`FoldedQueries`)."""
     with torch.no_grad():
-        queries = torch.cat([weight_of(p.proj) for p in points])
-        gains = torch.stack([weight_of(p.norm) for p in points])
+        queries, gains = stacked_weights(points)
         c = as_dtype(queries, dtype) * as_dtype(gains, dtype)
     return {k: (row, p.eps) for k, row, p in zip(keys, c.unbind(0), points)}

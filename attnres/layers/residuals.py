@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from attnres.layers.depth_attention import DepthAttention, weight_of
+from attnres.layers.depth_attention import DepthAttention, stacked_weights, weight_of
 from attnres.ops import depth_stats, merge_prefix, merge_sources
 from attnres.ops.registry import PORTABLE, backend_for
 from attnres.ops.two_phase import SoftmaxStats, split_stats
@@ -174,6 +174,12 @@ class Residual:
     def _finish_unfused(self, mix: torch.Tensor, num_sources: int) -> torch.Tensor:
         return mix * num_sources if self.rescale_mixture else mix
 
+    def _merge_arguments(self, point: int, norm, num_sources: int) -> dict:
+        """A phase-2 op's query, gains and eps at `point` (`merge_prefix`, `merge_sources`), read from the weights
+        now; without a fused norm its out_eps is the key eps, which nothing then reads."""
+        at = self.points[point]
+        return at._op_arguments(norm, at.eps if norm is None else self._out_eps(norm, num_sources))
+
     def _mix(self, point: int, sources: Sequence[torch.Tensor], norm) -> torch.Tensor:
         """One-shot aggregation of `sources` at `point`, with the PreNorm fused when given."""
         R, at = len(sources), self.points[point]
@@ -229,7 +235,7 @@ class FullResidual(Residual):
         sources = state.rows
         R = len(sources)
         stats = state.stats
-        if stats is None or not stats[0] <= point < stats[1]:
+        if self.group > 1 and (stats is None or not stats[0] <= point < stats[1]):
             stats = self._score(sources, point)
         if stats is not None:
             out = self._merge_sources(point, stats, sources, norm)
@@ -244,35 +250,21 @@ class FullResidual(Residual):
     def write(self, state, output):
         return ResidualState((*state.rows, output), None, state.carrier, state.stats)
 
-    def _score(self, sources: tuple[torch.Tensor, ...], point: int) -> tuple[int, int, list[SoftmaxStats]] | None:
+    def _score(self, sources: tuple[torch.Tensor, ...], point: int) -> tuple[int, int, list[SoftmaxStats]]:
         """Phase 1 of the group that starts at `point`: its points (up to G, with the first one's key eps) against
         the sources so far."""
-        G = self.group
-        if G < 2:
-            return None
         eps = self.points[point].eps
         stop = point + 1
-        while stop < min(point + G, len(self.points)) and self.points[stop].eps == eps:
+        while stop < min(point + self.group, len(self.points)) and self.points[stop].eps == eps:
             stop += 1
-        at = [self.points[k] for k in range(point, stop)]
-        queries = torch.cat([weight_of(p.proj) for p in at])
-        gains = torch.stack([weight_of(p.norm) for p in at])
+        queries, gains = stacked_weights([self.points[k] for k in range(point, stop)])
         return point, stop, split_stats(depth_stats(sources, queries, gains, eps=eps))
 
     def _merge_sources(self, point, stats, sources, norm) -> torch.Tensor:
         """Phase 2: this point's phase-1 statistics merged with the sources written since its group's first point."""
         start, _, scored = stats
-        at = self.points[point]
-        return merge_sources(
-            scored[point - start],
-            sources[start + 1:],
-            weight_of(at.proj),
-            weight_of(at.norm),
-            eps=at.eps,
-            out_norm_weight=None if norm is None else weight_of(norm),
-            out_eps=at.eps if norm is None else self._out_eps(norm, len(sources)),
-            dtype=sources[0].dtype,
-        )
+        return merge_sources(scored[point - start], sources[start + 1:],
+                             **self._merge_arguments(point, norm, len(sources)), dtype=sources[0].dtype)
 
 
 class BlockResidual(Residual):
@@ -344,23 +336,17 @@ class BlockResidual(Residual):
         """Phase 1, where it pays: every point of `points` against the completed rows, each row read once."""
         if not self.use_two_phase(rows[0], len(rows), len(points)):
             return None
-        at = [self.points[k] for k in points]
-        queries = torch.cat([weight_of(p.proj) for p in at])
-        gains = torch.stack([weight_of(p.norm) for p in at])
-        return points.start, points.stop, depth_stats(rows, queries, gains, eps=at[0].eps)
+        queries, gains = stacked_weights([self.points[k] for k in points])
+        return points.start, points.stop, depth_stats(rows, queries, gains, eps=self.points[points.start].eps)
 
     def _merge_prefix(self, point, stats, rows, prefix, norm) -> torch.Tensor:
         """Phase 2: this point's phase-1 statistics, merged with its own prefix (none at the write point)."""
         start, _, scored = stats
-        at, num_sources = self.points[point], len(rows) + (prefix is not None)
+        num_sources = len(rows) + (prefix is not None)
         out = merge_prefix(
             SoftmaxStats(*(s[point - start] for s in scored)),
             prefix,
-            weight_of(at.proj),
-            weight_of(at.norm),
-            eps=at.eps,
-            out_norm_weight=None if norm is None else weight_of(norm),
-            out_eps=at.eps if norm is None else self._out_eps(norm, num_sources),
+            **self._merge_arguments(point, norm, num_sources),
             dtype=rows[0].dtype,
             sources=rows,  # the backward recomputes u from the rows: no [N, d] fp32 kept per point
         )

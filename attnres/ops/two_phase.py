@@ -174,19 +174,21 @@ class _PerQuery(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, u):
         ctx.set_materialize_grads(False)
-        ctx.like = (z[0], u[0])
+        ctx.rows = [(t.shape[1:], t.dtype, t.device) for t in (z, u)]  # what a missing gradient's zeros are like
         return (*z.unbind(0), *u.unbind(0))
 
     @staticmethod
     def backward(ctx, *grads):
         S = len(grads) // 2
 
-        def stacked(part, like):
+        def stacked(part, row):
             if all(g is None for g in part):
                 return None
-            return torch.stack([torch.zeros_like(like) if g is None else g for g in part])
+            shape, dtype, device = row
+            zeros = torch.zeros(shape, dtype=dtype, device=device)
+            return torch.stack([zeros if g is None else g for g in part])
 
-        return stacked(grads[:S], ctx.like[0]), stacked(grads[S:], ctx.like[1])
+        return stacked(grads[:S], ctx.rows[0]), stacked(grads[S:], ctx.rows[1])
 
 
 def split_stats(stats: SoftmaxStats) -> list[SoftmaxStats]:

@@ -1244,10 +1244,33 @@ int64_t row_stride(const at::Tensor& t, int64_t d) {
 // Host side: inputs are brought to the layout the kernels read (sources and gradients as [N, d] rows, see as_rows;
 // vectors and [R, N] rows contiguous in the accumulator dtype; copies only where the caller's tensors differ). The
 // Python layer has validated shapes.
-struct Problem {
-  std::vector<const void*> first_rows;  // R sources read as [N, d] rows: each one's first row and row stride
+// Sources read as [N, d] rows: each one's first row and row stride, in place where its strides allow (row_stride), else
+// through a contiguous copy kept here.
+struct SourceRows {
+  std::vector<const void*> first_rows;
   std::vector<int64_t> row_strides;
-  std::vector<at::Tensor> copies;  // the sources that could not be read in place, as contiguous rows
+  std::vector<at::Tensor> copies;
+
+  void add(const at::Tensor& x, int64_t n_tok, int64_t d) {
+    if (const int64_t stride = row_stride(x, d); stride >= 0) {
+      first_rows.push_back(x.data_ptr());
+      row_strides.push_back(stride);
+    } else {
+      copies.push_back(as_rows(x, n_tok, d));
+      first_rows.push_back(copies.back().data_ptr());
+      row_strides.push_back(copies.back().stride(0));
+    }
+  }
+  template <class T>
+  std::vector<Rows<const T>> source_rows() const {
+    std::vector<Rows<const T>> out;
+    for (size_t j = 0; j < first_rows.size(); ++j)
+      out.push_back({static_cast<const T*>(first_rows[j]), row_strides[j]});
+    return out;
+  }
+};
+
+struct Problem : SourceRows {
   at::ScalarType dtype, acc;
   int64_t n_src, n_tok, d;
   std::vector<int64_t> shape;      // [..., d]: the shape of a source
@@ -1265,14 +1288,7 @@ struct Problem {
     for (const auto& x : xs) {
       TORCH_CHECK(x.device().is_cpu() && x.sizes() == xs[0].sizes() && x.scalar_type() == dtype,
                   "attnres_cpu: sources must be CPU tensors of one shape and dtype");
-      if (const int64_t stride = row_stride(x, d); stride >= 0) {
-        first_rows.push_back(x.data_ptr());
-        row_strides.push_back(stride);
-      } else {
-        copies.push_back(as_rows(x, n_tok, d));
-        first_rows.push_back(copies.back().data_ptr());
-        row_strides.push_back(copies.back().stride(0));
-      }
+      add(x, n_tok, d);
     }
   }
 
@@ -1289,12 +1305,6 @@ struct Problem {
     TORCH_CHECK(t.device().is_cpu() && t.numel() == count * n_tok, "attnres_cpu: expected CPU rows of ", count,
                 " * N = ", count * n_tok, " elements");
     return t.to(acc).contiguous();
-  }
-  template <class T>
-  std::vector<Rows<const T>> source_rows() const {
-    std::vector<Rows<const T>> out;
-    for (int64_t j = 0; j < n_src; ++j) out.push_back({static_cast<const T*>(first_rows[j]), row_strides[j]});
-    return out;
   }
   std::vector<at::Tensor> new_sources() const;  // R new outputs of a source's shape and dtype (gradients)
 };
@@ -1758,12 +1768,10 @@ at::Tensor bank_merge(const at::Tensor& m, const at::Tensor& z, const at::Tensor
 }
 
 // Host side of merge_sources: m, z [N], u [N, d] in the accumulator dtype; K >= 0 sources of `dtype` read in place.
-struct SourcesProblem {
+struct SourcesProblem : SourceRows {
   at::ScalarType dtype, acc;
   int64_t n_tok, d;
   at::Tensor m, z, u, c, out_w;
-  std::vector<Rows<const void>> rows;
-  std::vector<at::Tensor> copies;
 
   SourcesProblem(const at::Tensor& m_, const at::Tensor& z_, const at::Tensor& u_, at::TensorList sources,
                  const std::optional<at::Tensor>& c_, const std::optional<at::Tensor>& out_norm_weight,
@@ -1778,23 +1786,11 @@ struct SourcesProblem {
     for (const auto& x : sources) {
       TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dtype && x.numel() == n_tok * d,
                   "attnres_cpu: expected sources [N, d] of dtype ", dtype);
-      const int64_t stride = row_stride(x, d);
-      if (stride >= 0) {
-        rows.push_back({x.data_ptr(), stride});
-      } else {
-        copies.push_back(as_rows(x, n_tok, d));
-        rows.push_back({copies.back().data_ptr(), copies.back().stride(0)});
-      }
+      add(x, n_tok, d);
     }
     TORCH_CHECK(sources.empty() || c_, "attnres_cpu: merging sources needs c");
     if (c_) c = acc_vector(*c_, d, acc);
     if (out_norm_weight) out_w = acc_vector(*out_norm_weight, d, acc);
-  }
-  template <class K>
-  std::vector<Rows<const typename K::raw>> source_rows() const {
-    std::vector<Rows<const typename K::raw>> out;
-    for (const auto& r : rows) out.push_back({static_cast<const typename K::raw*>(r.data), r.stride});
-    return out;
   }
   template <class K>
   SourcesMerge<K> args(const std::vector<Rows<const typename K::raw>>& src, double eps, double out_eps) const {
@@ -1812,7 +1808,7 @@ at::Tensor merge_sources_fwd(const at::Tensor& m, const at::Tensor& z, const at:
   auto out = new_output({p.n_tok, p.d}, dtype);
   dispatch(dtype, [&](auto k) {
     using K = decltype(k);
-    const auto src = p.source_rows<K>();
+    const auto src = p.source_rows<typename K::raw>();
     merge_sources_kernel<K>(p.args<K>(src, eps, out_eps), static_cast<typename K::raw*>(out.data_ptr()));
   });
   return out;
@@ -1835,7 +1831,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tens
     using K = decltype(k);
     using A = typename K::acc;
     using R = typename K::raw;
-    const auto src = p.source_rows<K>();
+    const auto src = p.source_rows<typename K::raw>();
     merge_sources_backward_kernel<K>(p.args<K>(src, eps, out_eps), rows_of<const R>(g), pointers<R>(grads),
                                      du.data_ptr<A>(), dz.data_ptr<A>(), dc.data_ptr<A>(), d_out_w.data_ptr<A>());
   });
