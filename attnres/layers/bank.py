@@ -92,20 +92,26 @@ class BlockBank(BlockResidual):
         layer = point // 2
         return -(-layer // self.block_size) if point % 2 == 0 else layer // self.block_size + 1
 
+    def read(self, state, point, norm=None):
+        # the decode path: one kernel call, and at a few tokens each Python step around it costs about as much as
+        # the kernel, so the generic `Residual.read` (records, unfused norms) and autograd's guard are passed by
+        if self.record is not None or torch.is_grad_enabled() or (norm is not None and norm.eps is None):
+            return super().read(state, point, norm)
+        return self._read_no_grad(state, point, norm)
+
     def _read(self, state, point, norm):
         return without_autograd(self._read_no_grad, state, point, norm)
 
     def _read_no_grad(self, state, point, norm):
-        bank, prefix, pending, stats = state.bank, state.prefix, state.pending, state.stats
+        bank, prefix, pending, shape, stats = state
         if self._aggregate is None:
             self._bind(bank)
-        (c, eps), write, nvb = self.folded[point], self.is_write_point(point), self.filled(point)
+        c, eps = self.folded[point]
+        write, nvb = self.is_write_point(point), self.filled(point)
         if prefix is None:  # the first point after a write: the pending output starts the new prefix
             prefix, pending = pending.clone(), None
-        num_sources = nvb + 1
-        out_w = None if norm is None else weight_of(norm)
-        out_eps = eps if norm is None else self._out_eps(norm, num_sources)
-        if not write and (stats is None or not stats[0] <= point < stats[1]):
+        out_w, out_eps = (None, eps) if norm is None else (weight_of(norm), self._out_eps(norm, nvb + 1))
+        if self.scores_groups and not write and (stats is None or not stats[0] <= point < stats[1]):
             stats = self._score_group(bank, nvb, point)
         if stats is not None and not write:
             m, z, u = (s[point - stats[0]] for s in stats[2])
@@ -119,12 +125,13 @@ class BlockBank(BlockResidual):
             self._aggregate = getattr(self._aggregate, "kernel", self._aggregate)
         if write or (stats is not None and point + 1 == stats[1]):
             stats = None
-        mix = mix.reshape(state.shape)
-        state = BankState(bank, None if write else prefix, None, state.shape, stats)
-        return (mix if norm is not None else self._finish_unfused(mix, num_sources)), state
+        mix = mix.view(shape)  # every backend's output is contiguous
+        state = BankState(bank, None if write else prefix, None, shape, stats)
+        return (mix if norm is not None else self._finish_unfused(mix, nvb + 1)), state
 
     def _bind(self, x: torch.Tensor) -> None:
         self.acc = accumulator_dtype(x.dtype)
+        self.scores_groups = self.two_phase is not None or x.shape[0] >= MIN_TWO_PHASE_TOKENS
         self.folded = FoldedQueries(self.points, self.acc, self.layerwise)
         # one device and dtype per forward: bind the backend's fused ops once, not at every point (at decode the lookup
         # costs about as much as the fused op itself); traced, the registered custom ops, which dispatch inside (a
@@ -137,8 +144,6 @@ class BlockBank(BlockResidual):
     def _score_group(self, bank: torch.Tensor, nvb: int, point: int) -> tuple | None:
         """Phase 1 for the next group of the block's points from `point` against the `nvb` complete rows, each row read
         once, where it pays."""
-        if self.two_phase is None and bank.shape[0] < MIN_TWO_PHASE_TOKENS:
-            return None
         points = self.block_points(point)
         group = points[: max(2, bank.shape[1] * bank.element_size() // 4)]  # u within the bank's bytes
         if not self.use_two_phase(bank[:, 0], nvb, len(group)):

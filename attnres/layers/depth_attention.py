@@ -191,14 +191,19 @@ class FoldedQueries:
         return got
 
 
-def stacked_weights(points: Sequence[DepthAttention]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(queries, key norm gains) of `points`, each `[S, d]`, as phase 1 and the query fold take them."""
-    return torch.cat([weight_of(p.proj) for p in points]), torch.stack([weight_of(p.norm) for p in points])
+def stacked_weights(points: Sequence[DepthAttention], norms: Sequence[nn.Module] | None = None):
+    """(queries, key norm gains) of `points`, each `[S, d]`, as phase 1 and the query fold take them; `norms`: the
+    points' key norms, where the caller has looked them up already. One cat each: a stack would first make a view of
+    every gain."""
+    norms = [p.norm for p in points] if norms is None else norms
+    queries = torch.cat([weight_of(p.proj) for p in points])
+    return queries, torch.cat([weight_of(n) for n in norms]).view(len(norms), -1)
 
 
 def fold_queries(points: Sequence[DepthAttention], dtype: torch.dtype, keys: Sequence[int]) -> dict:
     """{key: (c, eps)} for `points` (named by `keys`), all folded in one multiply (`FoldedQueries`)."""
+    norms = [p.norm for p in points]
     with torch.no_grad():
-        queries, gains = stacked_weights(points)
+        queries, gains = stacked_weights(points, norms)
         c = as_dtype(queries, dtype) * as_dtype(gains, dtype)
-    return {k: (row, p.eps) for k, row, p in zip(keys, c.unbind(0), points)}
+    return dict(zip(keys, zip(c.unbind(0), [n.eps for n in norms])))

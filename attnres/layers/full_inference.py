@@ -80,6 +80,13 @@ class FullInference(FullResidual):
             return FullBankState(state.bank, state.count, flat_tokens(output), state.shape)
         return super().write(state, output)
 
+    def read(self, state, point, norm=None):
+        # a decode step's read, straight to the kernel: at a few tokens each Python step around it costs about as
+        # much as the kernel (as `BlockBank.read`)
+        if self.record is not None or torch.is_grad_enabled() or (norm is not None and norm.eps is None):
+            return super().read(state, point, norm)
+        return self._read(state, point, norm)
+
     def _read(self, state, point, norm):
         banked = isinstance(state, FullBankState)
         sources = None if banked else state.rows
@@ -89,8 +96,7 @@ class FullInference(FullResidual):
             self.folded = FoldedQueries(self.points, accumulator_dtype(x.dtype), self.layerwise)
             self._forward, self._aggregate = kernel("depth_attention_fwd", x), kernel("bank_aggregate", x)
         c, eps = self.folded[point]
-        out_w = None if norm is None else weight_of(norm)
-        out_eps = eps if norm is None else self._out_eps(norm, num_sources)
+        out_w, out_eps = (None, eps) if norm is None else (weight_of(norm), self._out_eps(norm, num_sources))
         if banked:
             mix, state = without_autograd(self._read_bank, state, c, out_w, eps, out_eps)
         else:
@@ -100,7 +106,7 @@ class FullInference(FullResidual):
     def _read_bank(self, state: FullBankState, c, out_w, eps, out_eps) -> tuple[torch.Tensor, FullBankState]:
         """One call: the pending source written as the next bank row, then every row mixed. A second read with no
         write between takes the newest row as the prefix."""
-        bank, count, pending = state.bank, state.count, state.pending
+        bank, count, pending, shape = state
         if pending is None:
             mix = self._aggregate(bank, count - 1, bank[:, count - 1], None, c, out_w, eps, out_eps, False)
         else:
@@ -108,4 +114,4 @@ class FullInference(FullResidual):
             count += 1
         # checked at the first call: every later call passes the same bank and rows like the first
         self._aggregate = getattr(self._aggregate, "kernel", self._aggregate)
-        return mix.reshape(state.shape), FullBankState(bank, count, None, state.shape)
+        return mix.view(shape), FullBankState(bank, count, None, shape)  # every backend's output is contiguous
