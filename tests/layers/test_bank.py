@@ -6,6 +6,7 @@ import torch
 from attnres.layers import DepthAttention, RMSNorm, make_stream
 from attnres.layers.bank import BlockBank
 from attnres.layers.depth_attention import FoldedQueries
+from attnres.layers.residuals import PreNorm
 
 
 def _stack(L, d, seed=0):
@@ -132,3 +133,26 @@ def test_the_first_point_checks_what_the_kernel_takes():
     stream = make_stream("block", emb, L, points, block_size=S, inference=True)
     with torch.no_grad(), pytest.raises(ValueError, match="^out_norm_weight:"):
         stream.read(norms[0])
+
+
+@pytest.mark.parametrize("S", [1, 3])
+def test_reads_with_autograd_on_or_an_unfusable_norm_equal_the_direct_reads(S):
+    """A read without records, autograd or an unfusable norm goes straight to the kernel; with autograd on, or a norm
+    that runs as its own module, it goes through the generic read: the same mixtures, bit for bit."""
+    L, d = 4, 8
+    points, norms, mats = _stack(L, d, seed=5)
+    emb = torch.randn(5, d)
+    with torch.no_grad():
+        direct = _run(make_stream("block", emb, L, points, block_size=S, inference=True), norms, mats)
+    generic = _run(make_stream("block", emb, L, points, block_size=S, inference=True), norms, mats)
+    assert not generic.requires_grad and torch.equal(generic, direct)
+    # a norm that runs as its own module, read by the generic read: the mixture normed by that module
+    with torch.no_grad():
+        got = make_stream("block", emb, L, points, block_size=S, inference=True)
+        ref = make_stream("block", emb, L, points, block_size=S, inference=True)
+        for k in range(2 * L + 1):
+            x = got.read(PreNorm(norms[k], None))
+            assert torch.equal(x, norms[k](ref.read()))
+            if k < 2 * L:
+                out = torch.tanh(x @ mats[k])
+                got.write(out), ref.write(out)

@@ -109,3 +109,19 @@ def test_a_layer_takes_the_bank_state_of_the_layer_before():
     assert residual.enter(1, state) is state
     with pytest.raises(TypeError, match="takes the ResidualState or FullBankState that layer 0 returns"):
         residual.enter(1, torch.randn(2, D))
+
+
+@pytest.mark.parametrize("tokens", [2, BANKED + 1])
+def test_reads_with_autograd_on_equal_the_direct_reads(monkeypatch, tokens):
+    """With autograd on, a read goes through the generic read instead of straight to the kernel: the same mixtures."""
+    monkeypatch.setattr(full_inference, "BANK_BYTES", BANKED * (2 * LAYERS + 1) * D * 4)
+    embedding, outputs, norms = inputs(tokens, torch.float32)
+    pts = points()
+    direct = reads(make_stream("full", embedding, LAYERS, pts, inference=True), norms, outputs)
+    stream = make_stream("full", embedding, LAYERS, pts, inference=True)
+    generic = []
+    for norm, output in zip(norms, outputs):
+        generic.append(stream.read(norm))
+        stream.write(output)
+    generic.append(stream.read())
+    assert all(not g.requires_grad and torch.equal(g, want) for g, want in zip(generic, direct))
