@@ -14,34 +14,23 @@ The two alternate round by round (a change in the machine's load reaches both al
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 import torch
 
-from attnres.atomic import atomic_write_text
+from attnres.bench.shape import DTYPES, add_shape_args, check_positive, write_record
 from attnres.bench.timing import median_times
 from attnres.ops.registry import kernel
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=30, help="decoder layers L (default: %(default)s)")
-    p.add_argument("--dim", type=int, default=576, help="hidden size d (default: %(default)s)")
+    add_shape_args(p)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024],
                    help="token counts N of a forward (default: 1 4 16 64 256 1024)")
-    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"], help="(default: fp32 bf16)")
     p.add_argument("--rounds", type=int, default=None,
                    help="timed rounds per token count (default: enough for about 400 tokens, at least 5)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    p.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
     args = p.parse_args(argv)
-    for name in ("layers", "dim"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    check_positive(p, args, ("layers", "dim"))
     if min(args.tokens) < 1 or (args.rounds is not None and args.rounds < 1):
         p.error("--tokens and --rounds must be at least 1")
     return args
@@ -81,11 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} N={tokens:5d}: list {ms['list']:8.3f} ms, bank {ms['bank']:8.3f} ms, "
                   f"bank / list {ms['bank'] / ms['list']:.2f}")
     if args.json is not None:
-        command = " ".join(["python -m benchmarks.full_reads", *(sys.argv[1:] if argv is None else argv)])
-        record = {"layers": args.layers, "dim": args.dim, "threads": torch.get_num_threads(),
-                  "torch": torch.__version__, "command": command, "results": results}
-        atomic_write_text(args.json, json.dumps(record, indent=1) + "\n")
-        print(f"wrote {args.json}")
+        write_record(args.json, "benchmarks.full_reads", argv, {"layers": args.layers, "dim": args.dim}, results)
     return 0
 
 

@@ -16,35 +16,24 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import sys
-from pathlib import Path
 
 import torch
 
-from attnres.atomic import atomic_write_text
+from attnres.bench.shape import DTYPES, add_shape_args, check_positive, write_record
 from attnres.bench.timing import median_times
 from attnres.layers.depth_attention import DepthAttention, RMSNorm
 from attnres.layers.residuals import FullResidual
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=30, help="decoder layers L (default: %(default)s)")
-    p.add_argument("--dim", type=int, default=576, help="hidden size d (default: %(default)s)")
+    add_shape_args(p)
     p.add_argument("--tokens", type=int, default=512, help="tokens N of a step (default: %(default)s)")
     p.add_argument("--groups", type=int, nargs="+", default=[4, 8, 12, 16],
                    help="points per phase-1 group to time beside the chain (default: 4 8 12 16)")
-    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"], help="(default: fp32 bf16)")
     p.add_argument("--rounds", type=int, default=9, help="timed rounds (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    p.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
     args = p.parse_args(argv)
-    for name in ("layers", "dim", "tokens", "rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    check_positive(p, args, ("layers", "dim", "tokens", "rounds"))
     if min(args.groups) < 2:
         p.error(f"--groups must be at least 2 points each, got {args.groups}")
     return args
@@ -86,11 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: chain {ms['chain']:.1f} ms; "
               + "; ".join(f"{way} {over_chain[way]:.2f}x" for way in ways if way != "chain"))
     if args.json is not None:
-        command = " ".join(["python -m benchmarks.full_training", *(sys.argv[1:] if argv is None else argv)])
-        record = {"layers": args.layers, "dim": args.dim, "tokens": args.tokens, "threads": torch.get_num_threads(),
-                  "torch": torch.__version__, "command": command, "results": results}
-        atomic_write_text(args.json, json.dumps(record, indent=1) + "\n")
-        print(f"wrote {args.json}")
+        shape = {"layers": args.layers, "dim": args.dim, "tokens": args.tokens}
+        write_record(args.json, "benchmarks.full_training", argv, shape, results)
     return 0
 
 

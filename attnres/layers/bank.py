@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from attnres.layers.depth_attention import FoldedQueries, weight_of
-from attnres.layers.residuals import BlockResidual, without_autograd
+from attnres.layers.residuals import BlockResidual, ReadsWithoutAutograd
 from attnres.ops.bank import bank_aggregate_op, bank_merge_op, bank_rows
 from attnres.ops.depth_attention import accumulator_dtype, flat_tokens
 from attnres.ops.registry import kernel
@@ -55,7 +55,7 @@ class BankState(NamedTuple):
         return (self.bank,)
 
 
-class BlockBank(BlockResidual):
+class BlockBank(ReadsWithoutAutograd, BlockResidual):
     """`BlockResidual`'s reads and writes on `BankState`, each read one fused kernel call. At the first read the
     backend's kernels are bound (their arguments checked there once, then called directly); queries are folded
     together (`FoldedQueries`). `layerwise`: a read uses the weights of its own decoder layer only."""
@@ -91,16 +91,6 @@ class BlockBank(BlockResidual):
         attention side)."""
         layer = point // 2
         return -(-layer // self.block_size) if point % 2 == 0 else layer // self.block_size + 1
-
-    def read(self, state, point, norm=None):
-        # the decode path: one kernel call, and at a few tokens each Python step around it costs about as much as
-        # the kernel, so the generic `Residual.read` (records, unfused norms) and autograd's guard are passed by
-        if self.record is not None or torch.is_grad_enabled() or (norm is not None and norm.eps is None):
-            return super().read(state, point, norm)
-        return self._read_no_grad(state, point, norm)
-
-    def _read(self, state, point, norm):
-        return without_autograd(self._read_no_grad, state, point, norm)
 
     def _read_no_grad(self, state, point, norm):
         bank, prefix, pending, shape, stats = state

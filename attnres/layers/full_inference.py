@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from attnres.layers.depth_attention import FoldedQueries, weight_of
-from attnres.layers.residuals import FullResidual, ResidualState, without_autograd
+from attnres.layers.residuals import FullResidual, ReadsWithoutAutograd, ResidualState
 from attnres.ops.depth_attention import accumulator_dtype, flat_tokens
 from attnres.ops.registry import kernel
 
@@ -57,7 +57,7 @@ class FullBankState(NamedTuple):
     head = carrier = None  # as `ResidualState`'s for Full at inference
 
 
-class FullInference(FullResidual):
+class FullInference(ReadsWithoutAutograd, FullResidual):
     """`FullResidual` without autograd: the same schedule and mixtures, each read one direct kernel call (on a bank up
     to `BANK_BYTES`)."""
 
@@ -80,14 +80,7 @@ class FullInference(FullResidual):
             return FullBankState(state.bank, state.count, flat_tokens(output), state.shape)
         return super().write(state, output)
 
-    def read(self, state, point, norm=None):
-        # a decode step's read, straight to the kernel: at a few tokens each Python step around it costs about as
-        # much as the kernel (as `BlockBank.read`)
-        if self.record is not None or torch.is_grad_enabled() or (norm is not None and norm.eps is None):
-            return super().read(state, point, norm)
-        return self._read(state, point, norm)
-
-    def _read(self, state, point, norm):
+    def _read_no_grad(self, state, point, norm):
         banked = isinstance(state, FullBankState)
         sources = None if banked else state.rows
         num_sources = state.count + (state.pending is not None) if banked else len(sources)
@@ -98,9 +91,9 @@ class FullInference(FullResidual):
         c, eps = self.folded[point]
         out_w, out_eps = (None, eps) if norm is None else (weight_of(norm), self._out_eps(norm, num_sources))
         if banked:
-            mix, state = without_autograd(self._read_bank, state, c, out_w, eps, out_eps)
+            mix, state = self._read_bank(state, c, out_w, eps, out_eps)
         else:
-            mix = without_autograd(self._forward, sources, c, out_w, eps, out_eps)[0]
+            mix = self._forward(sources, c, out_w, eps, out_eps)[0]
         return (mix if norm is not None else self._finish_unfused(mix, num_sources)), state
 
     def _read_bank(self, state: FullBankState, c, out_w, eps, out_eps) -> tuple[torch.Tensor, FullBankState]:

@@ -46,6 +46,21 @@ def without_autograd(fn, *args):
         return fn(*args)
 
 
+class ReadsWithoutAutograd:
+    """The reads of an inference backend (Block's bank, Full's direct kernel calls), which implements them, without
+    autograd, as `_read_no_grad`. A read that records nothing, fuses its PreNorm and runs with autograd off goes
+    straight there: at a decode step each Python step around the kernel costs about as much as the kernel. Any other
+    read goes through `Residual.read` (records, unfused norms), under `no_grad`."""
+
+    def read(self, state, point, norm=None):
+        if self.record is None and not torch.is_grad_enabled() and (norm is None or norm.eps is not None):
+            return self._read_no_grad(state, point, norm)
+        return super().read(state, point, norm)
+
+    def _read(self, state, point, norm):
+        return without_autograd(self._read_no_grad, state, point, norm)
+
+
 class ResidualState(NamedTuple):
     """The residual state a read or write takes and returns; between two decoder layers, what layer i hands layer
     i + 1 (docs/design.md section 7).

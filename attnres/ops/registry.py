@@ -3,11 +3,12 @@
 Every op (`OPS`) has a portable kernel in torch ops, registered by the module that defines the op (`portable`). A
 device may have a backend: the Triton kernels on CUDA (`attnres.ops.triton.KERNELS`), the compiled kernel on CPU
 (`attnres.ops.cpu.KERNELS`), each a mapping from op to kernel with the sizes it takes, loaded on first use.
-`kernel(op, x)` gives the kernel that serves tensors like `x`: the device backend's where it has one for that op and
-the tensor fits, the portable one otherwise. Each kernel keeps the contract written on its op
-(`attnres::depth_attention_fwd/bwd`, `attnres::depth_stats_fwd/bwd`, `attnres::merge_prefix_fwd/bwd`, `attnres::merge_sources_fwd/bwd`,
-`attnres.ops.bank.bank_aggregate/bank_merge`, `attnres.ops.depth_attention.point_fwd_from`'s and
-`attnres.ops.chain`'s); the fused bank ops are stored behind those ops' checks.
+`kernel(op, x)` gives the kernel that serves tensors like `x`: the device backend's where it has one for that op and the
+tensor fits, the portable one otherwise. Each kernel keeps the contract written on its op
+(`attnres::depth_attention_fwd/bwd`, `attnres::depth_stats_fwd/bwd`, `attnres::merge_prefix_fwd/bwd`,
+`attnres::merge_sources_fwd/bwd`, `attnres.ops.bank.bank_aggregate/bank_merge`,
+`attnres.ops.depth_attention.point_fwd_from`'s and `attnres.ops.chain`'s); the fused bank ops are stored behind those
+ops' checks.
 
 `ATTNRES_BACKEND` chooses: `auto` (default: each device's backend where it is available), or `torch` to force the
 portable kernels everywhere. fp64 (gradcheck) always takes the portable kernels.

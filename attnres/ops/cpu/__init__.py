@@ -3,9 +3,10 @@ ops: a compiled kernel that streams each source once (for all queries of phase 1
 the bank rows `bank[:, j]`, in place.
 
 The functions are the CPU kernels of the `attnres::depth_attention_fwd/bwd` and `attnres::depth_stats_fwd/bwd` custom
-ops and `attnres::merge_sources_fwd/bwd`, of an aggregation point from its parameters (`attnres.ops.depth_attention.point_fwd_from`, and as whole ops with
-their own autograd: `point` and `chained_point`) and of `attnres.ops.bank.bank_aggregate/bank_merge`, registered by op
-in `KERNELS` (`attnres.ops.registry`); the contracts and the argument checks live with those ops.
+ops and `attnres::merge_sources_fwd/bwd`, of an aggregation point from its parameters
+(`attnres.ops.depth_attention.point_fwd_from`, and as whole ops with their own autograd: `point` and `chained_point`)
+and of `attnres.ops.bank.bank_aggregate/bank_merge`, registered by op in `KERNELS` (`attnres.ops.registry`); the
+contracts and the argument checks live with those ops.
 `available()` says whether the kernel could be built and loaded (it compiles on first call, see `build.py`; the
 reason for a failure is logged once) and is False when `ATTNRES_DISABLE_CPU_KERNEL=1`.
 
