@@ -411,6 +411,112 @@ inline void mix_rows_into(const typename K::raw* const* x, int64_t count, const 
   }
 }
 
+// Register tiles of the phase-1 kernels, which multiply small matrices per token (S queries against R sources): a
+// tile of sums is held in registers while the rows it needs stream past, each register loaded serving several sums.
+// AVX-512's 32 registers hold a 4 x 4 tile with its operands; 16 registers, half of it.
+constexpr int64_t kTileRows = kVecBytes == 64 ? 4 : 2;
+constexpr int64_t kTileCols = 4;
+
+// f.template operator()<B>() with B = min(n, N), for n >= 1: a full block, or the smaller last one.
+template <int64_t N, class F>
+inline void with_block(int64_t n, F&& f) {
+  if constexpr (N == 1) {
+    f.template operator()<1>();
+  } else {
+    if (n >= N) return f.template operator()<N>();
+    with_block<N - 1>(n, f);
+  }
+}
+
+// out[j * ld + k] = x_j . y_k for `count` rows x_j (storage K) and n_y rows y_k (accumulator type), in register
+// tiles of kTileRows x kTileCols sums. Each register sum adds at most 32 products before it is added to `out`, so
+// that no partial sum adds up more than a few dozen terms however long the row (as in dot_rows).
+template <class K, class A = typename K::acc>
+inline void dot_tiles(const typename K::raw* const* x, int64_t count, const A* const* y, int64_t n_y, int64_t d,
+                      A* out, int64_t ld) {
+  constexpr int64_t w = kWidth<A>, span = 32 * w;
+  const int64_t dv = d / w * w;
+  for (int64_t j = 0; j < count; ++j) std::fill(out + j * ld, out + j * ld + n_y, A(0));
+  for (int64_t i0 = 0; i0 < dv; i0 += span) {
+    const int64_t i1 = std::min(dv, i0 + span);
+    for (int64_t j0 = 0; j0 < count; j0 += kTileRows)
+      with_block<kTileRows>(count - j0, [&]<int64_t JB>() {
+        for (int64_t k0 = 0; k0 < n_y; k0 += kTileCols)
+          with_block<kTileCols>(n_y - k0, [&]<int64_t KB>() {
+            Vec<A> acc[JB][KB] = {};
+            for (int64_t i = i0; i < i1; i += w) {
+              Vec<A> xv[JB], yv[KB];
+              for (int64_t a = 0; a < JB; ++a) xv[a] = K::vload(x[j0 + a] + i);
+              for (int64_t b = 0; b < KB; ++b) yv[b] = Plain<A>::vload(y[k0 + b] + i);
+              for (int64_t a = 0; a < JB; ++a)
+                for (int64_t b = 0; b < KB; ++b) acc[a][b] += xv[a] * yv[b];
+            }
+            for (int64_t a = 0; a < JB; ++a)
+              for (int64_t b = 0; b < KB; ++b) out[(j0 + a) * ld + k0 + b] += hsum<A>(acc[a][b]);
+          });
+      });
+  }
+  for (int64_t i = dv; i < d; ++i)
+    for (int64_t j = 0; j < count; ++j)
+      for (int64_t k = 0; k < n_y; ++k) out[j * ld + k] += K::load(x[j][i]) * y[k][i];
+}
+
+// For n_out outputs o, the sums sum_k coef[o * ld + k] y_k over n_y rows y_k (storage K), in register tiles of
+// kTileRows outputs x kTileCols registers; each sum goes to epi(o, i, v), v a register of elements i.. (Vec<A>),
+// then the elements past the last whole register one at a time (v an A).
+template <class K, class A = typename K::acc, class Epi>
+inline void mix_tiles(const typename K::raw* const* y, int64_t n_y, const A* coef, int64_t ld, int64_t n_out,
+                      int64_t d, const Epi& epi) {
+  constexpr int64_t w = kWidth<A>;
+  const int64_t dv = d / w * w;
+  for (int64_t o0 = 0; o0 < n_out; o0 += kTileRows)
+    with_block<kTileRows>(n_out - o0, [&]<int64_t OB>() {
+      auto tile = [&]<int64_t VB>(int64_t i) {
+        Vec<A> acc[OB][VB] = {};
+        for (int64_t k = 0; k < n_y; ++k) {
+          Vec<A> yv[VB];
+          for (int64_t v = 0; v < VB; ++v) yv[v] = K::vload(y[k] + i + v * w);
+          for (int64_t o = 0; o < OB; ++o) {
+            const Vec<A> cf = splat(coef[(o0 + o) * ld + k]);
+            for (int64_t v = 0; v < VB; ++v) acc[o][v] += cf * yv[v];
+          }
+        }
+        for (int64_t o = 0; o < OB; ++o)
+          for (int64_t v = 0; v < VB; ++v) epi(o0 + o, i + v * w, acc[o][v]);
+      };
+      int64_t i = 0;
+      for (; i + kTileCols * w <= dv; i += kTileCols * w) tile.template operator()<kTileCols>(i);
+      for (; i < dv; i += w) tile.template operator()<1>(i);
+      for (; i < d; ++i)
+        for (int64_t o = o0; o < o0 + OB; ++o) {
+          A t = 0;
+          for (int64_t k = 0; k < n_y; ++k) t += coef[o * ld + k] * K::load(y[k][i]);
+          epi(o, i, t);
+        }
+    });
+}
+
+// x . x for one row in the storage format.
+template <class K, class A = typename K::acc>
+inline A sum_squares_of(const typename K::raw* x, int64_t d) {
+  constexpr int64_t w = kWidth<A>;
+  Vec<A> acc[kUnroll] = {};
+  int64_t i = 0;
+  for (; i + kUnroll * w <= d; i += kUnroll * w)
+    for (int64_t k = 0; k < kUnroll; ++k) {
+      const Vec<A> v = K::vload(x + i + k * w);
+      acc[k] += v * v;
+    }
+  for (; i + w <= d; i += w) {
+    const Vec<A> v = K::vload(x + i);
+    acc[0] += v * v;
+  }
+  for (int64_t k = 1; k < kUnroll; ++k) acc[0] += acc[k];
+  A t = hsum<A>(acc[0]);
+  for (; i < d; ++i) t += K::load(x[i]) * K::load(x[i]);
+  return t;
+}
+
 // dst = factor * m (times gain, when given), converted to the storage format.
 template <class K, class A = typename K::acc>
 inline void store_row(typename K::raw* dst, const A* m, A factor, const A* gain, int64_t d) {
@@ -925,6 +1031,7 @@ void backward_kernel(const BackwardArgs<K>& a, typename K::acc* dc, typename K::
 //   m_q = max_j s_qj,  z_q = sum_j exp(s_qj - m_q),  u_q = sum_j exp(s_qj - m_q) x_j,
 // with u_q written straight into its row of u [S, N, d]. As in the forward, rows that do not fit in L2 together are
 // taken in groups merged by an online softmax per query.
+// The scores and the u_q are small matrix products per token, taken in register tiles (dot_tiles, mix_tiles).
 template <class K>
 void stats_forward_kernel(const std::vector<Rows<const typename K::raw>>& src, const typename K::acc* cs,
                           int64_t n_q, double eps, int64_t n_tok, int64_t d, typename K::acc* m, typename K::acc* z,
@@ -937,18 +1044,17 @@ void stats_forward_kernel(const std::vector<Rows<const typename K::raw>>& src, c
   for (int64_t q = 0; q < n_q; ++q) c[q] = cs + q * d;
   parallel_tokens(n_tok, grain_size(n_src + n_q, d), [&](int64_t begin, int64_t end) {
     // per group: s[j * n_q + q] (dot products, then scores), p[q * group + j]; per query: running max, sum, rescale
-    std::vector<A> sq(group), s(group * n_q), p(n_q * group), mx(n_q), zq(n_q), scale(n_q);
-    std::vector<Vec<A>> scratch(2 * group * (n_q + 1));
-    std::vector<const R*> x(n_src), xo(group);
+    std::vector<A> s(group * n_q), p(n_q * group), mx(n_q), zq(n_q), scale(n_q);
+    std::vector<const R*> x(n_src);
     std::vector<A*> uq(n_q);
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t j = 0; j < n_src; ++j) x[j] = src[j][n];
       for (int64_t q = 0; q < n_q; ++q) uq[q] = u + (q * n_tok + n) * d;
       for (int64_t g0 = 0; g0 < n_src; g0 += group) {
         const int64_t count = std::min(n_src, g0 + group) - g0;
-        dot_rows<K>(x.data() + g0, count, c.data(), n_q, d, scratch.data(), s.data(), sq.data());
+        dot_tiles<K>(x.data() + g0, count, c.data(), n_q, d, s.data(), n_q);
         for (int64_t j = 0; j < count; ++j) {
-          const A r = rsqrt(sq[j] / A(d) + A(eps));
+          const A r = rsqrt(sum_squares_of<K>(x[g0 + j], d) / A(d) + A(eps));
           rstd[(g0 + j) * n_tok + n] = r;
           for (int64_t q = 0; q < n_q; ++q) s[j * n_q + q] *= r;
         }
@@ -960,8 +1066,13 @@ void stats_forward_kernel(const std::vector<Rows<const typename K::raw>>& src, c
           for (int64_t j = 0; j < count; ++j) sum += p[q * count + j] = std::exp(s[j * n_q + q] - top);
           mx[q] = top, zq[q] = sum;
         }
-        mix_rows_into<K>(x.data() + g0, count, p.data(), count, n_q, g0 == 0 ? nullptr : scale.data(), d, uq.data(),
-                         xo.data());
+        mix_tiles<K>(x.data() + g0, count, p.data(), count, n_q, d, [&](int64_t q, int64_t i, auto v) {
+          if constexpr (std::is_same_v<decltype(v), A>) {
+            uq[q][i] = g0 == 0 ? v : scale[q] * uq[q][i] + v;
+          } else {
+            Plain<A>::vstore(uq[q] + i, g0 == 0 ? v : splat(scale[q]) * Plain<A>::vload(uq[q] + i) + v);
+          }
+        });
       }
       for (int64_t q = 0; q < n_q; ++q) m[q * n_tok + n] = mx[q], z[q * n_tok + n] = zq[q];
     }
@@ -972,8 +1083,9 @@ void stats_forward_kernel(const std::vector<Rows<const typename K::raw>>& src, c
 //   coef_qj = p_qj (gz_q + gu_q . x_j) r_j
 //   dx_j    = sum_q p_qj gu_q + sum_q coef_qj c_q - (sum_q coef_qj s_qj) r_j / d * x_j
 //   dc_q   += sum_j coef_qj x_j
-// A first pass dots each source row with the 2S rows gu_q and c_q (the sources and gu read from memory once); a
-// second goes through d in L1 chunks and writes the dx_j and accumulates dc from the same chunk of the rows.
+// Per token these are three small matrix products, each in register tiles (dot_tiles, mix_tiles): the dots of the
+// R source rows with the 2S rows gu_q and c_q, the dx_j as weighted sums of those 2S rows, and dc as weighted sums
+// of the source rows.
 template <class K>
 void stats_backward_kernel(const typename K::acc* grad_z, Rows<const typename K::acc> grad_u,
                            const std::vector<Rows<const typename K::raw>>& src, const typename K::acc* cs,
@@ -981,10 +1093,7 @@ void stats_backward_kernel(const typename K::acc* grad_z, Rows<const typename K:
                            int64_t d, const std::vector<typename K::raw*>& grads, typename K::acc* dcs) {
   using A = typename K::acc;
   using R = typename K::raw;
-  constexpr int64_t block = kUnroll * kWidth<A>;
   const int64_t n_src = int64_t(src.size()), n_y = 2 * n_q;
-  // the chunk of d that the second pass keeps in L1: the R rows, the 2S rows gu and c, the S rows of dc
-  const int64_t chunk = l1_chunk(1, n_src * int64_t(sizeof(R)) + 3 * n_q * int64_t(sizeof(A)), block);
   // per-thread partial sums of dcs, added up in thread order after the loop (deterministic)
   const int64_t n_threads = at::get_num_threads();
   std::vector<A> dcs_part(n_threads * n_q * d, A(0));
@@ -992,15 +1101,14 @@ void stats_backward_kernel(const typename K::acc* grad_z, Rows<const typename K:
     A* dcs_acc = dcs_part.data() + at::get_thread_num() * n_q * d;
     // y = [gu_0 .. gu_{S-1}, c_0 .. c_{S-1}]; dots[j * 2S + k] = x_j . y_k, then the weights of y_k in dx_j;
     // coef_t[q * R + j] = coef_qj (the weights of the x_j in dc_q)
-    std::vector<A> dots(n_src * n_y), coef_t(n_q * n_src), x_scale(n_src), tmp(chunk);
-    std::vector<Vec<A>> scratch(2 * n_src * (n_y + 1));
-    std::vector<const A*> y(n_y), yo(n_y);
-    std::vector<const R*> x(n_src), xo(n_src);
+    std::vector<A> dots(n_src * n_y), coef_t(n_q * n_src), x_scale(n_src);
+    std::vector<const A*> y(n_y);
+    std::vector<const R*> x(n_src);
     for (int64_t q = 0; q < n_q; ++q) y[n_q + q] = cs + q * d;
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t j = 0; j < n_src; ++j) x[j] = src[j][n];
       for (int64_t q = 0; q < n_q; ++q) y[q] = grad_u[q * n_tok + n];
-      dot_rows<K>(x.data(), n_src, y.data(), n_y, d, scratch.data(), dots.data(), nullptr);
+      dot_tiles<K>(x.data(), n_src, y.data(), n_y, d, dots.data(), n_y);
       for (int64_t j = 0; j < n_src; ++j) {
         const A r = rstd[j * n_tok + n];
         A* wj = dots.data() + j * n_y;
@@ -1013,17 +1121,22 @@ void stats_backward_kernel(const typename K::acc* grad_z, Rows<const typename K:
         }
         x_scale[j] = sum * r / A(d);
       }
-      for (int64_t i0 = 0; i0 < d; i0 += chunk) {
-        const int64_t len = std::min(chunk, d - i0);
-        for (int64_t k = 0; k < n_y; ++k) yo[k] = y[k] + i0;
-        for (int64_t j = 0; j < n_src; ++j) xo[j] = x[j] + i0;
-        for (int64_t j = 0; j < n_src; ++j) {
-          mix_rows<Plain<A>>(yo.data(), dots.data() + j * n_y, n_y, false, A(0), len, tmp.data());
-          store_axpy<K>(grads[j] + n * d + i0, tmp.data(), -x_scale[j], xo[j], len);
+      mix_tiles<Plain<A>>(y.data(), n_y, dots.data(), n_y, n_src, d, [&](int64_t j, int64_t i, auto v) {
+        R* dst = grads[j] + n * d + i;
+        if constexpr (std::is_same_v<decltype(v), A>) {
+          *dst = K::store(v - x_scale[j] * K::load(x[j][i]));
+        } else {
+          K::vstore(dst, v - splat(x_scale[j]) * K::vload(x[j] + i));
         }
-        for (int64_t q = 0; q < n_q; ++q)
-          mix_rows<K>(xo.data(), coef_t.data() + q * n_src, n_src, true, A(1), len, dcs_acc + q * d + i0);
-      }
+      });
+      mix_tiles<K>(x.data(), n_src, coef_t.data(), n_src, n_q, d, [&](int64_t q, int64_t i, auto v) {
+        A* dst = dcs_acc + q * d + i;
+        if constexpr (std::is_same_v<decltype(v), A>) {
+          *dst += v;
+        } else {
+          Plain<A>::vstore(dst, Plain<A>::vload(dst) + v);
+        }
+      });
     }
   });
   for (int64_t t = 0; t < n_threads; ++t)
