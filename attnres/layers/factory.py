@@ -27,7 +27,7 @@ def make_residual(
     inference: bool = False,
     layerwise: bool = False,
     chain: bool = False,
-    full_group: int = 0,
+    full_group: int | None = 0,
 ) -> Residual:
     """The residual object of kind `residual` ("standard", "full" or "block").
 
@@ -38,7 +38,8 @@ def make_residual(
     (`attnres.layers.full_inference`), unless depth is recorded; `layerwise`: those backends read each decoder
     layer's weights during its own reads only (FSDP2 gathers them layer by layer); `chain` makes the points of "full"
     a chain for the backward (`attnres.ops.chain`: the same gradients, summed in place; for eager training);
-    `full_group`: the points of "full" that phase 1 scores together (`FullResidual`; 0: none).
+    `full_group`: the points of "full" that phase 1 scores together (`FullResidual`; 0: none; None: chosen by
+    the backend where the chain would run).
     """
     if residual not in RESIDUAL_KINDS:
         raise ValueError(f"residual: expected one of {RESIDUAL_KINDS}, got {residual!r}")

@@ -231,17 +231,22 @@ class FullResidual(Residual):
     scores the sources so far for all G points in one pass (`depth_stats`), and each point of the group then merges in
     only the sources written since (`merge_sources`). Point l then reads about l / G + G / 2 rows instead of l + 1,
     forward and backward, and keeps its u (`[N, d]` fp32) for the backward. A group reads the weights of G points
-    from its first: not for FSDP2 (each layer's weights gathered for its own forward only) or a pipeline stage. Off
-    by default: the CPU's phase-1 backward does not yet run at the chain's bandwidth (`benchmarks/full_training.py`).
+    from its first: not for FSDP2 (each layer's weights gathered for its own forward only) or a pipeline stage.
+    `group=None` chooses: `FULL_GROUP` points where the chain would run and the backend compiles both phases'
+    backward (`full_groups_pay`: the CPU's, 0.6-0.8x the chain's time in `benchmarks/full_training.py`), else none.
     """
 
-    def __init__(self, num_layers, points, *, rescale_mixture=False, record=None, chain=False, group: int = 0):
+    def __init__(self, num_layers, points, *, rescale_mixture=False, record=None, chain=False,
+                 group: int | None = 0):
         super().__init__(num_layers, points, rescale_mixture=rescale_mixture, record=record)
         check_points(points, num_layers)
         self.chain = chain and not self.depth
-        if isinstance(group, bool) or not isinstance(group, int) or group < 0:
-            raise ValueError(f"group: expected a number of points >= 0 (0 or 1: no groups), got {group!r}")
-        self.group = 0 if self.depth or isinstance(points, Mapping) else group
+        bad = isinstance(group, bool) or not isinstance(group, int) or group < 0
+        if group is not None and bad:
+            raise ValueError(f"group: expected a number of points >= 0 (0 or 1: no groups) or None, got {group!r}")
+        if self.depth or isinstance(points, Mapping) or (group is None and not self.chain):
+            group = 0
+        self.group = group  # None: decided at the first read, from the sources' backend
 
     def start(self, embedding):
         return ResidualState(rows=(embedding,))
@@ -250,6 +255,8 @@ class FullResidual(Residual):
         sources = state.rows
         R = len(sources)
         stats = state.stats
+        if self.group is None:
+            self.group = FULL_GROUP if full_groups_pay(sources[0], len(self.points)) else 0
         if self.group > 1 and (stats is None or not stats[0] <= point < stats[1]):
             stats = self._score(sources, point)
         if stats is not None:
@@ -366,6 +373,20 @@ class BlockResidual(Residual):
             sources=rows,  # the backward recomputes u from the rows: no [N, d] fp32 kept per point
         )
         return out if norm is not None else self._finish_unfused(out, num_sources)
+
+
+# Points per phase-1 group where Full chooses groups (`FullResidual(group=None)`): the fastest in
+# `benchmarks/full_training.py` at SmolLM2-135M's shape, fp32 and bf16.
+FULL_GROUP = 8
+
+
+def full_groups_pay(source: torch.Tensor, points: int) -> bool:
+    """Whether Full's phase-1 groups beat the chain for training on sources like `source` (`points` the model's
+    aggregation points): where the backend has compiled kernels for both phases' backward (the CPU's; on a backend
+    without them phase 2 runs as torch ops)."""
+    device, dtype, d = source.device.type, source.dtype, source.shape[-1]
+    phases = (("merge_sources_bwd", None), ("depth_stats_bwd", points))
+    return all(backend_for(device, dtype, d, op, rows) is not PORTABLE for op, rows in phases)
 
 
 def backend_takes_two_phase(device_type: str, dtype: torch.dtype, d: int, stats_rows: int, training: bool) -> bool:

@@ -76,6 +76,11 @@ class AttnResConfig(PreTrainedConfig):
         attn_res_two_phase (`bool` or None, defaults to None):
             Block AttnRes only: score a block's completed summaries once for all its aggregation points (docs/design.md
             section 4). None chooses it whenever it saves reads.
+        attn_res_full_group (`int` or None, defaults to None):
+            Full AttnRes only, in eager training: how many aggregation points phase 1 scores together (docs/design.md
+            section 4); 0 runs every point over all its sources, as a chain. None chooses 8 where the backend has
+            compiled kernels for both phases' backward (the CPU's) and 0 elsewhere. Never under FSDP2 or in a
+            pipeline stage, where a layer reads only its own points' weights.
         attn_res_layer_plan (`list` or None, defaults to None):
             What each decoder layer's two sublayers are in the family's own layer (PreNorm child, body, modules after
             the body, residual scale; `attnres.models.family.Sublayer`). Read and checked once, in float64, when a
@@ -102,6 +107,7 @@ class AttnResConfig(PreTrainedConfig):
     attn_res_block_size: int = DEFAULT_BLOCK_SIZE
     attn_res_rescale_mixture: bool = False
     attn_res_two_phase: bool | None = None
+    attn_res_full_group: int | None = None
     attn_res_layer_plan: list | None = None
 
     def __post_init__(self, **kwargs):
@@ -166,6 +172,9 @@ class AttnResConfig(PreTrainedConfig):
             value = getattr(self.text_config, name, None)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer in the {self.base_model_type} config, got {value!r}")
+        group = self.attn_res_full_group
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 0):
+            raise ValueError(f"attn_res_full_group: expected a number of points >= 0 or None (chosen), got {group!r}")
         plan = self.attn_res_layer_plan
         if plan is not None and (not isinstance(plan, list) or len(plan) != 2):
             raise ValueError(f"attn_res_layer_plan: expected the two sides of a decoder layer (a list of 2), got {plan!r}")

@@ -115,6 +115,7 @@ def residual_for(
         inference=not backward,
         layerwise=layerwise,
         chain=backward and not torch.compiler.is_compiling() and _FULL_CHAIN.get(),
+        full_group=0 if layerwise else config.attn_res_full_group,
     )
 
 

@@ -32,9 +32,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from attnres.ops.checks import FLOAT_DTYPES, check_eps, check_sources, check_vector
-from attnres.ops.depth_attention import fold_query, rms_normalize, rms_normalize_backward
+from attnres.ops.depth_attention import fold_query, rms_normalize, rms_normalize_backward, takes_kernels_directly
 from attnres.ops.registry import kernel, portable
 from attnres.ops.two_phase import SoftmaxStats, depth_stats_fwd
 
@@ -348,20 +349,43 @@ def _setup_sources_context(ctx, inputs, output):
     m, z, u, sources, c, out_norm_weight, eps, out_eps, dtype = inputs
     ctx.save_for_backward(m, z, u, c, out_norm_weight, *sources)
     ctx.eps, ctx.out_eps = eps, out_eps
-    ctx.out_norm_dtype = None if out_norm_weight is None else out_norm_weight.dtype
+
+
+def _sources_grads(bwd, ctx, grad_out):
+    """(du, dz, the sources' grads, dc, d_out_w) from `bwd` (a `merge_sources_bwd`) on what `ctx` saved; None where
+    an input takes no gradient."""
+    m, z, u, c, out_norm_weight, *sources = ctx.saved_tensors
+    du, dz, dxs, dc, d_out_w = bwd(grad_out.contiguous(), m, z, u, sources, c, out_norm_weight, ctx.eps, ctx.out_eps)
+    dc = dc if sources and c is not None else None
+    d_out_w = None if out_norm_weight is None else d_out_w.to(out_norm_weight.dtype)
+    return du, dz, list(dxs) if sources else [], dc, d_out_w
 
 
 def _sources_backward(ctx, grad_out):
-    m, z, u, c, out_norm_weight, *sources = ctx.saved_tensors
-    du, dz, dxs, dc, d_out_w = merge_sources_bwd(
-        grad_out.contiguous(), m, z, u, sources, c, out_norm_weight, ctx.eps, ctx.out_eps
-    )
-    dc = dc if sources and c is not None else None
-    d_out_w = None if out_norm_weight is None else d_out_w.to(ctx.out_norm_dtype)
-    return None, dz, du, list(dxs) if sources else [], dc, d_out_w, None, None, None
+    du, dz, dxs, dc, d_out_w = _sources_grads(merge_sources_bwd, ctx, grad_out)
+    return None, dz, du, dxs, dc, d_out_w, None, None, None
 
 
 merge_sources_fwd.register_autograd(_sources_backward, setup_context=_setup_sources_context)
+
+
+class _MergeSources(torch.autograd.Function):
+    """`merge_sources_fwd` and its autograd, eagerly on plain tensors: the kernels called directly, without the custom
+    op's Python layers (argument flattening, dispatch), a fixed cost at every point of a group."""
+
+    @staticmethod
+    def forward(ctx, m, z, u, c, out_norm_weight, eps, out_eps, dtype, *sources):
+        sources = list(sources)
+        out = kernel("merge_sources_fwd", u)(m, z, u, sources, c, out_norm_weight, eps, out_eps, dtype)
+        _setup_sources_context(ctx, (m, z, u, sources, c, out_norm_weight, eps, out_eps, dtype), out)
+        ctx.bwd = kernel("merge_sources_bwd", u)
+        return out
+
+    @staticmethod
+    @once_differentiable  # the kernels are not differentiable: a second derivative raises instead of missing terms
+    def backward(ctx, grad_out):
+        du, dz, dxs, dc, d_out_w = _sources_grads(ctx.bwd, ctx, grad_out)
+        return None, dz, du, dc, d_out_w, None, None, None, *dxs
 
 
 def merge_sources(
@@ -392,6 +416,10 @@ def merge_sources(
     xs = _check_rows(sources, u) if len(sources) else []
     eps, out_eps = _check_point(query, key_norm_weight, out_norm_weight, eps, out_eps, dtype, d, device)
     c = fold_query(query, key_norm_weight, u.dtype) if xs else None
-    out = merge_sources_fwd(m.reshape(-1), z.reshape(-1), u.reshape(-1, d), xs, c, out_norm_weight, eps, out_eps,
-                            u.dtype if dtype is None else dtype)
+    args = (m.reshape(-1), z.reshape(-1), u.reshape(-1, d), c, out_norm_weight, eps, out_eps,
+            u.dtype if dtype is None else dtype)
+    if takes_kernels_directly(u):
+        out = _MergeSources.apply(*args, *xs)
+    else:
+        out = merge_sources_fwd(*args[:3], xs, *args[3:])
     return out.reshape(u.shape)

@@ -298,6 +298,7 @@ def test_chained_chunks_compute_the_models_logits_in_one_process(residual, block
 
     case = Case(4, residual, 6, "gpipe", 1, block_size=block_size, two_phase=two_phase)  # 6 layers in 3 chunks
     model = build_model(case)
+    model.config.attn_res_full_group = 0  # a stage reads each point over all its sources: so must the whole model
     plan = PipelinePlan(residual, 6, ranks=3, block_size=block_size, cache_rows=False)
     ids, _ = make_batch()
     out = (ids,)

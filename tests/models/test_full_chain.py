@@ -1,7 +1,9 @@
 """A Full model's training forward chains its aggregation points (`attnres.ops.chain`): the decoder layers hand the
 chain's carrier on in their `ResidualState`, and the loss and every gradient are those of the functional points.
 
-The functional run is the same model with the chain switched off (`wiring.unchained_full_points()`).
+The functional run is the same model with the chain switched off (`wiring.unchained_full_points()`). These models
+take no phase-1 groups (`attn_res_full_group=0`), which the CPU backend would otherwise choose in their place
+(tests/models/test_full_groups.py).
 With the torch kernels both sum each source's gradient in autograd's order, so they agree bit for bit; the CPU kernel
 may fuse its add differently (fp32 rounding).
 """
@@ -51,8 +53,11 @@ def carriers(model, **forward) -> list[torch.Tensor | None]:
     return seen
 
 
+CHAIN = dict(residual="full", attn_res_full_group=0)
+
+
 def test_a_training_forward_hands_the_carrier_from_layer_to_layer():
-    model = make_model(residual="full")
+    model = make_model(**CHAIN)
     made = carriers(model)
     L = model.config.num_hidden_layers
     # layer i's last point (its MLP side) reads the embedding and 2i + 1 outputs
@@ -63,7 +68,7 @@ def test_a_training_forward_hands_the_carrier_from_layer_to_layer():
 
 
 def test_the_switch_turns_the_chain_off():
-    model = make_model(residual="full")
+    model = make_model(**CHAIN)
     with wiring.unchained_full_points():
         assert carriers(model) == [None] * model.config.num_hidden_layers
     assert carriers(model) != [None] * model.config.num_hidden_layers  # and only within it
@@ -73,7 +78,7 @@ def test_the_switch_turns_the_chain_off():
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_chained_training_gives_the_functional_loss_and_gradients(family, backend, functional_points, monkeypatch):
     monkeypatch.setenv(registry.BACKEND_ENV, backend)
-    model = make_model(family, "full")
+    model = make_model(family, **CHAIN)
     with functional_points():
         want = training_step(model)
     assert_steps_agree(training_step(model), want, exact=backend == "torch")
@@ -83,7 +88,7 @@ def test_chained_training_gives_the_functional_loss_and_gradients(family, backen
 def test_checkpointed_chains_give_the_functional_gradients(use_reentrant, functional_points, monkeypatch):
     """Reentrant checkpointing runs the layers without gradients and replays them with: both make the same carriers."""
     monkeypatch.setenv(registry.BACKEND_ENV, "torch")
-    model = make_model("llama", "full")
+    model = make_model("llama", **CHAIN)
     with functional_points():
         want = training_step(model)
     model.activation_checkpointing_enable({"use_reentrant": use_reentrant})

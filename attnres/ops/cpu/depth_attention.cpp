@@ -1221,14 +1221,13 @@ struct SourcesMerge {
 };
 
 template <class K, class A = typename K::acc>
-A merge_token(const SourcesMerge<K>& a, int64_t n, const typename K::raw** x, A* e, A* s, A* r, A& ea, A* acc,
-              Vec<A>* scratch) {
+A merge_token(const SourcesMerge<K>& a, int64_t n, const typename K::raw** x, A* e, A* s, A* r, A& ea, A* acc) {
   const int64_t count = int64_t(a.src.size()), d = a.d;
   for (int64_t k = 0; k < count; ++k) x[k] = a.src[k][n];
-  if (count > 0) dot_rows<K>(x, count, &a.c, 1, d, scratch, s, r);
+  dot_tiles<K>(x, count, &a.c, 1, d, s, 1);
   A top = a.m[n];
   for (int64_t k = 0; k < count; ++k) {
-    r[k] = rsqrt(r[k] / A(d) + A(a.eps));
+    r[k] = rsqrt(sum_squares_of<K>(x[k], d) / A(d) + A(a.eps));
     s[k] *= r[k];
     top = std::max(top, s[k]);
   }
@@ -1246,11 +1245,10 @@ void merge_sources_kernel(const SourcesMerge<K>& a, typename K::raw* out) {
   const int64_t count = int64_t(a.src.size()), d = a.d;
   parallel_tokens(a.n_tok, grain_size(count + 2, d), [&](int64_t begin, int64_t end) {
     std::vector<A> e(count), s(count), r(count), acc(d);
-    std::vector<Vec<A>> scratch(4 * std::max<int64_t>(count, 1));  // dot_rows with one row y
     std::vector<const typename K::raw*> x(count);
     for (int64_t n = begin; n < end; ++n) {
       A ea;
-      const A z = merge_token<K>(a, n, x.data(), e.data(), s.data(), r.data(), ea, acc.data(), scratch.data());
+      const A z = merge_token<K>(a, n, x.data(), e.data(), s.data(), r.data(), ea, acc.data());
       store_mixture<K>(out + n * d, acc.data(), A(1) / z, a.out_w, a.out_eps, d);
     }
   });
@@ -1274,19 +1272,18 @@ void merge_sources_backward_kernel(const SourcesMerge<K>& a, Rows<const typename
     A* dc_acc = dc_part.data() + at::get_thread_num() * d;
     A* dw_acc = a.out_w ? dw_part.data() + at::get_thread_num() * d : nullptr;
     std::vector<A> e(count), s(count), r(count), gx(count), h(d), g(d);
-    std::vector<Vec<A>> scratch(4 * std::max<int64_t>(count, 1));  // dot_rows with one row y
     std::vector<const R*> x(count);
     for (int64_t n = begin; n < end; ++n) {
       A ea;
-      const A inv_z = A(1) / merge_token<K>(a, n, x.data(), e.data(), s.data(), r.data(), ea, h.data(), scratch.data());
+      const A inv_z = A(1) / merge_token<K>(a, n, x.data(), e.data(), s.data(), r.data(), ea, h.data());
       for (int64_t i = 0; i < d; ++i) h[i] *= inv_z;
       load_row<K>(g.data(), grad_out[n], d);
       if (a.out_w != nullptr) out_norm_backward(g.data(), h.data(), a.out_w, a.out_eps, d, dw_acc);
       const A* gp = g.data();
       const A* hp = h.data();
       A gh;
-      dot_rows<Plain<A>>(&hp, 1, &gp, 1, d, scratch.data(), &gh, nullptr);
-      if (count > 0) dot_rows<K>(x.data(), count, &gp, 1, d, scratch.data(), gx.data(), nullptr);
+      dot_tiles<Plain<A>>(&hp, 1, &gp, 1, d, &gh, 1);
+      dot_tiles<K>(x.data(), count, &gp, 1, d, gx.data(), 1);
       for (int64_t k = 0; k < count; ++k) {
         const A p = e[k] * inv_z, coef = p * (gx[k] - gh) * r[k], shrink = coef * s[k] * r[k] / A(d);
         R* dx = grads[k] + n * d;

@@ -1,0 +1,67 @@
+"""A Full model's training forward in phase-1 groups (`attn_res_full_group`, docs/design.md section 4): on the CPU
+backend the model chooses them by itself, its decoder layers hand the group's statistics on in their
+`ResidualState`, and the loss and every gradient are those of the functional points up to rounding (another order of
+the same sums); activation checkpointing replays them bit for bit (tests/models/test_checkpointing.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres.layers.residuals import FULL_GROUP
+from attnres.models import AttnResConfig, wiring
+from attnres.ops import registry
+from tests.models import TINY
+from tests.models.test_checkpointing import make_model, training_step
+
+
+def handed_on(model) -> list[tuple[int, int] | None]:
+    """The group (first point, point after the last) whose statistics each decoder layer hands on, in one forward."""
+    seen = []
+    hooks = [layer.register_forward_hook(lambda m, a, out: seen.append(getattr(out, "stats", None) and out.stats[:2]))
+             for layer in model.model.layers]
+    try:
+        model(input_ids=torch.arange(8)[None] % 64)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def test_the_cpu_backend_chooses_groups_and_the_portable_one_the_chain(monkeypatch):
+    model = make_model(residual="full", num_hidden_layers=6)  # 13 points: groups [0, 8) and [8, 13)
+    assert FULL_GROUP == 8
+    # layer i's last point is 2i + 1: the group it belongs to goes on unless that point ends it
+    assert handed_on(model) == [(0, 8), (0, 8), (0, 8), None, (8, 13), (8, 13)]
+    monkeypatch.setenv(registry.BACKEND_ENV, "torch")
+    assert handed_on(model) == [None] * 6
+    monkeypatch.setenv(registry.BACKEND_ENV, "auto")
+    with torch.no_grad():
+        assert handed_on(model) == [None] * 6  # no backward: the inference backend
+
+
+def test_a_set_group_is_taken_and_zero_runs_the_chain():
+    assert handed_on(make_model(residual="full", attn_res_full_group=3)) == [(0, 3), (3, 6), None]
+    assert handed_on(make_model(residual="full", attn_res_full_group=0)) == [None] * 3
+
+
+@pytest.mark.parametrize("group", [None, 3])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_grouped_training_gives_the_functional_loss_and_gradients(family, group):
+    model = make_model(family, "full", attn_res_full_group=group)
+    with wiring.unchained_full_points():
+        want = training_step(model)
+    (loss, grads), (want_loss, want_grads) = training_step(model), want
+    torch.testing.assert_close(loss, want_loss)
+    assert grads.keys() == want_grads.keys()
+    for name, want_grad in want_grads.items():
+        assert (grads[name] is None) == (want_grad is None), name
+        if want_grad is not None:  # fp32 rounding, on the scale of the largest entry
+            torch.testing.assert_close(grads[name], want_grad, rtol=1e-5, atol=1e-5 * want_grad.abs().max().item(),
+                                       msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("group", [-1, 2.5, True, "8"])
+def test_a_bad_group_is_named(group):
+    with pytest.raises(ValueError, match="attn_res_full_group"):
+        AttnResConfig(**TINY, residual="full", attn_res_full_group=group)
