@@ -79,7 +79,8 @@ class AttnResConfig(PreTrainedConfig):
         attn_res_full_group (`int` or None, defaults to None):
             Full AttnRes only, in eager training: how many aggregation points phase 1 scores together (docs/design.md
             section 4); 0 runs every point over all its sources, as a chain. None chooses 8 where the backend has
-            compiled kernels for both phases' backward (the CPU's) and 0 elsewhere. Never under FSDP2 or in a
+            compiled kernels for both phases' backward (the CPU's), and 0 elsewhere or under activation
+            checkpointing (a group keeps each point's `[tokens, d]` fp32 statistics). Never under FSDP2 or in a
             pipeline stage, where a layer reads only its own points' weights.
         attn_res_layer_plan (`list` or None, defaults to None):
             What each decoder layer's two sublayers are in the family's own layer (PreNorm child, body, modules after

@@ -248,12 +248,13 @@ class AttnResPreTrainedModel(PreTrainedModel):
         """`forward(**kwargs)` (the family's) with one residual object for its layers and its final read, and its
         output with the AttnRes fields added."""
         # (the checkpointing switch is a walk over every module: asked only in training)
-        backward = torch.is_grad_enabled() or (self.training and self.is_activation_checkpointing)
+        checkpointing = self.training and self.is_activation_checkpointing
+        backward = torch.is_grad_enabled() or checkpointing
         points = self.aggregation_points()
         if getattr(self, "peft_config", None):  # PEFT's adapters are set (PEFT's tuners set it, unloading removes it)
             self._refuse_row_routing(points or ())
         residual = residual_for(self.config, points, backward=backward, records=records,
-                                layerwise=isinstance(self.model.layers[0], FSDPModule))
+                                layerwise=isinstance(self.model.layers[0], FSDPModule), checkpointing=checkpointing)
         token = ACTIVE_RESIDUAL.set(residual)
         try:
             output = forward(attn_res_residual=residual, **kwargs)

@@ -95,7 +95,8 @@ def unchained_full_points():
 
 
 def residual_for(
-    config, points, *, backward: bool, records: Records | None = None, layerwise: bool = False
+    config, points, *, backward: bool, records: Records | None = None, layerwise: bool = False,
+    checkpointing: bool = False,
 ) -> Residual:
     """The residual object of a forward (or of a layer or final read run alone) over `points`.
 
@@ -103,7 +104,12 @@ def residual_for(
     (Full's points a chain, except where traced, as `torch.compile` takes the functional op, or within
     `unchained_full_points()`). Otherwise the inference backends: Block's fused bank (docs/design.md section 5) and
     Full's direct kernel calls; `layerwise` where each layer's weights are at hand during its own forward only (FSDP2).
+    Full's phase-1 groups are as `attn_res_full_group` sets them; chosen (None), none under FSDP2 or activation
+    `checkpointing`, which keeps only each layer's input (a group keeps each point's u, `[tokens, d]` fp32).
     """
+    group = config.attn_res_full_group
+    if layerwise or (group is None and checkpointing):
+        group = 0
     return make_residual(
         config.residual,
         config.num_hidden_layers,
@@ -115,7 +121,7 @@ def residual_for(
         inference=not backward,
         layerwise=layerwise,
         chain=backward and not torch.compiler.is_compiling() and _FULL_CHAIN.get(),
-        full_group=0 if layerwise else config.attn_res_full_group,
+        full_group=group,
     )
 
 

@@ -27,7 +27,9 @@ FAMILIES = {
 }
 RESIDUALS = {
     "standard": dict(residual="standard"),
-    "full": dict(residual="full"),
+    # Full pinned to the chain or to groups: by itself it takes groups only when not checkpointed
+    "full": dict(residual="full", attn_res_full_group=0),
+    "full-groups": dict(residual="full", attn_res_full_group=3),
     "block": dict(residual="block", attn_res_block_size=2),
     "block-two-phase": dict(residual="block", attn_res_block_size=2, attn_res_two_phase=True),
 }

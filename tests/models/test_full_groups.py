@@ -29,7 +29,7 @@ def handed_on(model) -> list[tuple[int, int] | None]:
 
 
 def test_the_cpu_backend_chooses_groups_and_the_portable_one_the_chain(monkeypatch):
-    model = make_model(residual="full", num_hidden_layers=6)  # 13 points: groups [0, 8) and [8, 13)
+    model = make_model(residual="full", attn_res_full_group=None, num_hidden_layers=6)  # groups [0, 8) and [8, 13)
     assert FULL_GROUP == 8
     # layer i's last point is 2i + 1: the group it belongs to goes on unless that point ends it
     assert handed_on(model) == [(0, 8), (0, 8), (0, 8), None, (8, 13), (8, 13)]
@@ -38,6 +38,18 @@ def test_the_cpu_backend_chooses_groups_and_the_portable_one_the_chain(monkeypat
     monkeypatch.setenv(registry.BACKEND_ENV, "auto")
     with torch.no_grad():
         assert handed_on(model) == [None] * 6  # no backward: the inference backend
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_checkpointed_model_chooses_the_chain_and_keeps_a_set_group(use_reentrant):
+    """Activation checkpointing keeps each layer's input only: a group's `[tokens, d]` fp32 statistics per point would
+    be most of what it keeps (tests/models/test_layer_contract.py counts the bytes)."""
+    chosen = make_model(residual="full", attn_res_full_group=None)
+    chosen.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+    assert handed_on(chosen) == [None] * 3
+    pinned = make_model(residual="full", attn_res_full_group=3)
+    pinned.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+    assert handed_on(pinned) == [(0, 3), (3, 6), None]
 
 
 def test_a_set_group_is_taken_and_zero_runs_the_chain():
