@@ -233,7 +233,7 @@ class FullResidual(Residual):
     forward and backward, and keeps its u (`[N, d]` fp32) for the backward. A group reads the weights of G points
     from its first: not for FSDP2 (each layer's weights gathered for its own forward only) or a pipeline stage.
     `group=None` chooses: `FULL_GROUP` points where the chain would run and the backend compiles both phases'
-    backward (`full_groups_pay`: the CPU's, 0.6-0.8x the chain's time in `benchmarks/full_training.py`), else none.
+    backward (`full_groups_pay`: the CPU's, 0.76-0.82x the chain's time in `benchmarks/full_training.py`), else none.
     """
 
     def __init__(self, num_layers, points, *, rescale_mixture=False, record=None, chain=False,
