@@ -375,8 +375,8 @@ class BlockResidual(Residual):
         return out if norm is not None else self._finish_unfused(out, num_sources)
 
 
-# Points per phase-1 group where Full chooses groups (`FullResidual(group=None)`): the fastest in
-# `benchmarks/full_training.py` at SmolLM2-135M's shape, fp32 and bf16.
+# Points per phase-1 group where Full chooses groups (`FullResidual(group=None)`): in `benchmarks/full_training.py` at
+# SmolLM2-135M's shape, the fastest in fp32 and within 2% of the fastest (6) in bf16.
 FULL_GROUP = 8
 
 

@@ -26,9 +26,14 @@ def functional_points():
     return wiring.unchained_full_points
 
 
-def assert_steps_agree(got, want, exact: bool) -> None:
+def assert_steps_agree(got, want, exact: bool, same_forward: bool = True) -> None:
+    """Gradients equal (`exact`) or within fp32 rounding on the scale of each one's largest entry; the loss equal where
+    both ran the same forward ops (`same_forward`), else within fp32 rounding too."""
     (loss, grads), (want_loss, want_grads) = got, want
-    assert torch.equal(loss, want_loss)
+    if same_forward:
+        assert torch.equal(loss, want_loss)
+    else:
+        torch.testing.assert_close(loss, want_loss)
     assert grads.keys() == want_grads.keys()
     for name, want_grad in want_grads.items():
         assert (grads[name] is None) == (want_grad is None), name

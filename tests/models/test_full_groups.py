@@ -13,6 +13,7 @@ from attnres.models import AttnResConfig, wiring
 from attnres.ops import registry
 from tests.models import TINY
 from tests.models.test_checkpointing import make_model, training_step
+from tests.models.test_full_chain import assert_steps_agree
 
 
 def handed_on(model) -> list[tuple[int, int] | None]:
@@ -63,14 +64,7 @@ def test_grouped_training_gives_the_functional_loss_and_gradients(family, group)
     model = make_model(family, "full", attn_res_full_group=group)
     with wiring.unchained_full_points():
         want = training_step(model)
-    (loss, grads), (want_loss, want_grads) = training_step(model), want
-    torch.testing.assert_close(loss, want_loss)
-    assert grads.keys() == want_grads.keys()
-    for name, want_grad in want_grads.items():
-        assert (grads[name] is None) == (want_grad is None), name
-        if want_grad is not None:  # fp32 rounding, on the scale of the largest entry
-            torch.testing.assert_close(grads[name], want_grad, rtol=1e-5, atol=1e-5 * want_grad.abs().max().item(),
-                                       msg=lambda m: f"{name}: {m}")
+    assert_steps_agree(training_step(model), want, exact=False, same_forward=False)  # phase 1 sums in another order
 
 
 @pytest.mark.parametrize("group", [-1, 2.5, True, "8"])

@@ -11,6 +11,7 @@ Each model is loaded (or converted) once for the module; the texts are a few hun
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -25,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from attnres import convert_from_hf
 from attnres.cli import main
 from attnres.models import AttnResForCausalLM
+from tests import TOL, error_ratios
 from tests.models.test_real_magnitudes import assert_as_close_as_the_original, logits
 
 RESIDUALS = {"block": dict(residual="block", attn_res_block_size=5), "full": dict(residual="full")}
@@ -193,6 +195,45 @@ def test_train_init_from_starts_at_the_originals_loss(smollm2, zoo, tmp_path):
     assert losses[0] == pytest.approx(expected, rel=1e-6, abs=0)
     assert losses[1] != losses[0]
     assert (result.run_dir / "final" / "tokenizer.json").is_file()
+
+
+def training_gradients(model, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor | None], bool]:
+    """(every parameter's gradient of the loss on `ids`, whether the points ran in phase-1 groups)."""
+    seen = []
+    hook = model.model.layers[0].register_forward_hook(lambda m, a, out: seen.append(out.stats is not None))
+    try:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        hook.remove()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads, seen == [True]
+
+
+def test_full_trains_in_groups_as_close_to_float64_as_the_chain(zoo):
+    """A Full model trains its points in phase-1 groups on the CPU (docs/design.md section 4). At the real stream's
+    magnitudes every gradient stays within 4x the chain's own distance from float64 (plus a floor of a tenth of fp32's
+    parity bound), as on random weights (tests/layers/test_full_groups.py). The pseudo-queries are set off zero, so
+    that the depth softmax is not uniform."""
+    model = copy.deepcopy(zoo.model("full"))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_res_proj." in name:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    ids = zoo.text_ids[:, :64]
+    exact, _ = training_gradients(copy.deepcopy(model).double(), ids)
+    grouped, in_groups = training_gradients(model, ids)
+    model.config.attn_res_full_group = 0
+    chained, in_chain_groups = training_gradients(model, ids)
+    assert in_groups and not in_chain_groups
+    floor = 0.1 * TOL[torch.float32].rms
+    for name, ref in exact.items():
+        assert (grouped[name] is None) == (chained[name] is None) == (ref is None), name
+        if ref is not None:
+            err, chain_err = error_ratios(ref, grouped[name])[0], error_ratios(ref, chained[name])[0]
+            assert err <= 4 * chain_err + floor, f"{name}: relative RMS error {err:.1e}, the chain's {chain_err:.1e}"
 
 
 def test_a_lora_step_trains_the_adapter_and_the_attnres_parameters(zoo):

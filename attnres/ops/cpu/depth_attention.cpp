@@ -312,14 +312,12 @@ inline void dot_rows(const typename K::raw* const* x, int64_t count, const std::
 #ifdef ATTNRES_FOLD_LANES
     if (sq != nullptr && 2 * count * (n_y + 1) >= w) {
       switch (n_y) {
-        case 0: return dot_rows_folded<K, 0>(x, count, y, d, out, sq, scratch);
         case 1: return dot_rows_folded<K, 1>(x, count, y, d, out, sq, scratch);
         case 2: return dot_rows_folded<K, 2>(x, count, y, d, out, sq, scratch);
       }
     }
 #endif
     switch (n_y) {
-      case 0: return dot_rows_short<K, 0>(x, count, y, d, out, sq);
       case 1: return dot_rows_short<K, 1>(x, count, y, d, out, sq);
       case 2: return dot_rows_short<K, 2>(x, count, y, d, out, sq);
     }
@@ -496,23 +494,28 @@ inline void mix_tiles(const typename K::raw* const* y, int64_t n_y, const A* coe
     });
 }
 
-// x . x for one row in the storage format.
+// x . x for one row in the storage format (a key's or a mixture's sum of squares), in kUnroll independent register
+// sums, each added to the total after at most 32 products (as dot_rows: however long the row).
 template <class K, class A = typename K::acc>
-inline A sum_squares_of(const typename K::raw* x, int64_t d) {
-  constexpr int64_t w = kWidth<A>;
-  Vec<A> acc[kUnroll] = {};
+inline A sum_squares(const typename K::raw* x, int64_t d) {
+  constexpr int64_t w = kWidth<A>, block = kUnroll * w, span = 32 * block;
+  A t = 0;
   int64_t i = 0;
-  for (; i + kUnroll * w <= d; i += kUnroll * w)
-    for (int64_t k = 0; k < kUnroll; ++k) {
-      const Vec<A> v = K::vload(x + i + k * w);
-      acc[k] += v * v;
+  while (i + w <= d) {
+    Vec<A> acc[kUnroll] = {};
+    const int64_t end = std::min(d, i + span);
+    for (; i + block <= end; i += block)
+      for (int64_t k = 0; k < kUnroll; ++k) {
+        const Vec<A> v = K::vload(x + i + k * w);
+        acc[k] += v * v;
+      }
+    for (; i + w <= end; i += w) {
+      const Vec<A> v = K::vload(x + i);
+      acc[0] += v * v;
     }
-  for (; i + w <= d; i += w) {
-    const Vec<A> v = K::vload(x + i);
-    acc[0] += v * v;
+    for (int64_t k = 1; k < kUnroll; ++k) acc[0] += acc[k];
+    t += hsum<A>(acc[0]);
   }
-  for (int64_t k = 1; k < kUnroll; ++k) acc[0] += acc[k];
-  A t = hsum<A>(acc[0]);
   for (; i < d; ++i) t += K::load(x[i]) * K::load(x[i]);
   return t;
 }
@@ -544,14 +547,6 @@ inline void load_row(A* dst, const typename K::raw* src, int64_t d) {
   int64_t i = 0;
   for (; i + w <= d; i += w) Plain<A>::vstore(dst + i, K::vload(src + i));
   for (; i < d; ++i) dst[i] = K::load(src[i]);
-}
-
-template <class A>
-inline A sum_squares(const A* m, int64_t d) {
-  Vec<A> scratch[2];
-  A sq;
-  dot_rows<Plain<A>>(&m, 1, nullptr, 0, d, scratch, nullptr, &sq);
-  return sq;
 }
 
 template <class A>
@@ -678,7 +673,7 @@ inline int64_t tile_tokens(int64_t n_src, int64_t d, int64_t bytes) {
 template <class K, class A = typename K::acc>
 inline void store_mixture(typename K::raw* out, const A* acc, A inv_z, const A* out_w, double out_eps, int64_t d) {
   A factor = inv_z;
-  if (out_w != nullptr) factor *= rsqrt(sum_squares(acc, d) * inv_z * inv_z / A(d) + A(out_eps));
+  if (out_w != nullptr) factor *= rsqrt(sum_squares<Plain<A>>(acc, d) * inv_z * inv_z / A(d) + A(out_eps));
   store_row<K>(out, acc, factor, out_w, d);
 }
 
@@ -737,7 +732,7 @@ __attribute__((noinline)) void forward_tile(
   // each token's factor 1 / z, times the output norm's rstd when there is one: store_mixture's factor, with its
   // square root and divisions as vectors across the tile
   if (out_w != nullptr)
-    for (int64_t t = 0; t < n; ++t) s.out_sq[t] = sum_squares(s.acc.data() + t * d, d);
+    for (int64_t t = 0; t < n; ++t) s.out_sq[t] = sum_squares<Plain<A>>(s.acc.data() + t * d, d);
   for (int64_t t = 0; t < n; t += w) {
     Vec<A> f = P::vload(s.z.data() + t);
     if (out_w != nullptr)
@@ -794,7 +789,7 @@ template <class A>
 inline void out_norm_backward(A* dm, const A* mix, const A* out_w, double out_eps, int64_t d, A* dw_acc) {
   using P = Plain<A>;
   constexpr int64_t w = kWidth<A>;
-  const A r = rsqrt(sum_squares(mix, d) / A(d) + A(out_eps));
+  const A r = rsqrt(sum_squares<Plain<A>>(mix, d) / A(d) + A(out_eps));
   Vec<A> amv = {};
   int64_t i = 0;
   for (; i + w <= d; i += w) {
@@ -1054,7 +1049,7 @@ void stats_forward_kernel(const std::vector<Rows<const typename K::raw>>& src, c
         const int64_t count = std::min(n_src, g0 + group) - g0;
         dot_tiles<K>(x.data() + g0, count, c.data(), n_q, d, s.data(), n_q);
         for (int64_t j = 0; j < count; ++j) {
-          const A r = rsqrt(sum_squares_of<K>(x[g0 + j], d) / A(d) + A(eps));
+          const A r = rsqrt(sum_squares<K>(x[g0 + j], d) / A(d) + A(eps));
           rstd[(g0 + j) * n_tok + n] = r;
           for (int64_t q = 0; q < n_q; ++q) s[j * n_q + q] *= r;
         }
@@ -1227,7 +1222,7 @@ A merge_token(const SourcesMerge<K>& a, int64_t n, const typename K::raw** x, A*
   dot_tiles<K>(x, count, &a.c, 1, d, s, 1);
   A top = a.m[n];
   for (int64_t k = 0; k < count; ++k) {
-    r[k] = rsqrt(sum_squares_of<K>(x[k], d) / A(d) + A(a.eps));
+    r[k] = rsqrt(sum_squares<K>(x[k], d) / A(d) + A(a.eps));
     s[k] *= r[k];
     top = std::max(top, s[k]);
   }
