@@ -254,12 +254,13 @@ def make_bank_inputs(shape: BankShape, device: torch.device) -> dict:
         "bank": (randn(n, nb, d) * (0.5 + torch.arange(nb, device=device) / nb)[:, None]).to(shape.dtype),
         "prefix": randn(n, d).to(shape.dtype),
         "output": (0.01 * randn(n, d)).to(shape.dtype),  # small: the timed calls add it again and again
-        "c": randn(d) * 2 / d**0.5,
+        "query": randn(d) * 2 / d**0.5,
+        "key_gain": 1 + 0.1 * randn(d),
         "out_gain": 1 + 0.1 * randn(d),
     }
 
 
-def unfused_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write):
+def unfused_bank_aggregate(bank, nvb, prefix, output, query, key_gain, out_norm_weight, eps, out_eps, write):
     """The path the fused kernel replaces: torch add and row write, then the one-shot Triton forward."""
     from attnres.ops.triton import triton_depth_attention_fwd
 
@@ -267,7 +268,7 @@ def unfused_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, o
     if write:
         bank[:, nvb] = prefix
     sources = [bank[:, j] for j in range(nvb + write)] + ([] if write else [prefix])
-    return triton_depth_attention_fwd(sources, c, out_norm_weight, eps, out_eps)[0]
+    return triton_depth_attention_fwd(sources, query.float() * key_gain.float(), out_norm_weight, eps, out_eps)[0]
 
 
 def torch_bank_merge(*args):
@@ -295,8 +296,8 @@ def run_bank_shape(shape: BankShape, args, device: torch.device, rows: list[Row]
     n, d, nb = shape.tokens, shape.dim, shape.bank_rows
     e = torch.finfo(shape.dtype).bits // 8
     t = make_bank_inputs(shape, device)
-    common = (t["output"], t["c"], t["out_gain"], EPS, EPS)
-    stats = naive_depth_stats([t["bank"][:, j] for j in range(nb)], t["c"][None], eps=EPS)
+    common = (t["output"], t["query"], t["key_gain"], t["out_gain"], EPS, EPS)
+    stats = naive_depth_stats([t["bank"][:, j] for j in range(nb)], t["query"][None], t["key_gain"][None], eps=EPS)
     m, z, u = (s[0] for s in stats)
     points = {  # kind: (fused, unfused, arguments after the state, bytes)
         "read": (triton_bank_aggregate, unfused_bank_aggregate, (nb, False), (nb + 4) * n * d * e),

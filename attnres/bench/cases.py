@@ -216,12 +216,12 @@ def bank_case(cfg: SuiteConfig, dtype_name: str, peer: CompiledPeer) -> CaseResu
     bank = torch.randn(T, R, d).to(dtype)  # one spare row: bank_aggregate may write row nvb
     prefix, output = torch.randn(T, d).to(dtype), (0.01 * torch.randn(T, d)).to(dtype)
     stacked = torch.randn(R, T, d).to(dtype)
-    c = torch.randn(d) / d**0.5
+    query, key_gain = torch.randn(d) / d**0.5, torch.ones(d, dtype=dtype)
     norm = torch.ones(d, dtype=dtype)
     nvb = R - 1
 
     def aggregate(fn) -> Callable[[], torch.Tensor]:
-        return lambda: fn(bank, nvb, prefix, output, c, norm, EPS, EPS, False)
+        return lambda: fn(bank, nvb, prefix, output, query, key_gain, norm, EPS, EPS, False)
 
     impls = {
         SUM: lambda: stacked.sum(0),
@@ -229,7 +229,7 @@ def bank_case(cfg: SuiteConfig, dtype_name: str, peer: CompiledPeer) -> CaseResu
         _with_backend("bank_aggregate", bank): aggregate(bank_aggregate),
     }
     rows = [bank[:, j] for j in range(nvb)]
-    peer_call = lambda: peer.fn(c, [*rows, prefix], torch.ones(d, dtype=dtype), norm, rms_eps=EPS)  # noqa: E731
+    peer_call = lambda: peer.fn(query, [*rows, prefix], key_gain, norm, rms_eps=EPS)  # noqa: E731
     name = f"fused inference aggregation nvb={nvb} T={T} d={d} {dtype_name}"
     with torch.no_grad():
         seconds = _timed(name, impls, peer_call, peer, cfg)

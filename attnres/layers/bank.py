@@ -23,10 +23,10 @@ from typing import NamedTuple
 
 import torch
 
-from attnres.layers.depth_attention import FoldedQueries, weight_of
+from attnres.layers.depth_attention import stacked_weights, weight_of
 from attnres.layers.residuals import BlockResidual, ReadsWithoutAutograd
 from attnres.ops.bank import bank_aggregate_op, bank_merge_op, bank_rows
-from attnres.ops.depth_attention import accumulator_dtype, flat_tokens
+from attnres.ops.depth_attention import accumulator_dtype, as_dtype, flat_tokens
 from attnres.ops.registry import kernel
 from attnres.ops.two_phase import depth_stats_fwd
 
@@ -56,9 +56,9 @@ class BankState(NamedTuple):
 
 
 class BlockBank(ReadsWithoutAutograd, BlockResidual):
-    """`BlockResidual`'s reads and writes on `BankState`, each read one fused kernel call. At the first read the
-    backend's kernels are bound (their arguments checked there once, then called directly); queries are folded
-    together (`FoldedQueries`). `layerwise`: a read uses the weights of its own decoder layer only."""
+    """`BlockResidual`'s reads and writes on `BankState`, each read one fused kernel call on the point's weights as
+    they are (the kernel folds the query). At the first read the backend's kernels are bound (their arguments checked
+    there once, then called directly). `layerwise`: phase 1 scores the points of the read's own decoder layer only."""
 
     State = BankState
 
@@ -96,7 +96,7 @@ class BlockBank(ReadsWithoutAutograd, BlockResidual):
         bank, prefix, pending, shape, stats = state
         if self._aggregate is None:
             self._bind(bank)
-        c, eps = self.folded[point]
+        query, gain, eps = self.points[point].weights()
         write, nvb = self.is_write_point(point), self.filled(point)
         if prefix is None:  # the first point after a write: the pending output starts the new prefix
             prefix, pending = pending.clone(), None
@@ -105,13 +105,13 @@ class BlockBank(ReadsWithoutAutograd, BlockResidual):
             stats = self._score_group(bank, nvb, point)
         if stats is not None and not write:
             m, z, u = (s[point - stats[0]] for s in stats[2])
-            mix = self._merge(m, z, u, prefix, pending, c, out_w, eps, out_eps)
+            mix = self._merge(m, z, u, prefix, pending, query, gain, out_w, eps, out_eps)
             self._merge = getattr(self._merge, "kernel", self._merge)
         else:
-            mix = self._aggregate(bank, nvb, prefix, pending, c, out_w, eps, out_eps, write)
+            mix = self._aggregate(bank, nvb, prefix, pending, query, gain, out_w, eps, out_eps, write)
             # checked once per forward: every later call passes the same bank and prefix buffers, a pending output
-            # reshaped by `write`, and c and the gains from the same kind of [1, d] and [d] weights; at decode the
-            # checks cost as much as the kernel
+            # reshaped by `write`, and the same kind of [1, d] and [d] weights; at decode the checks cost as much as
+            # the kernel
             self._aggregate = getattr(self._aggregate, "kernel", self._aggregate)
         if write or (stats is not None and point + 1 == stats[1]):
             stats = None
@@ -122,7 +122,6 @@ class BlockBank(ReadsWithoutAutograd, BlockResidual):
     def _bind(self, x: torch.Tensor) -> None:
         self.acc = accumulator_dtype(x.dtype)
         self.scores_groups = self.two_phase is not None or x.shape[0] >= MIN_TWO_PHASE_TOKENS
-        self.folded = FoldedQueries(self.points, self.acc, self.layerwise)
         # one device and dtype per forward: bind the backend's fused ops once, not at every point (at decode the lookup
         # costs about as much as the fused op itself); traced, the registered custom ops, which dispatch inside (a
         # traced backend selection would probe, and build, the CPU kernel)
@@ -138,6 +137,7 @@ class BlockBank(ReadsWithoutAutograd, BlockResidual):
         group = points[: max(2, bank.shape[1] * bank.element_size() // 4)]  # u within the bank's bytes
         if not self.use_two_phase(bank[:, 0], nvb, len(group)):
             return None
-        cs = torch.stack([self.folded[k][0] for k in group])
-        m, z, u, _ = depth_stats_fwd(bank_rows(bank, nvb), cs, self.folded[group[0]][1])
+        queries, gains = stacked_weights([self.points[k] for k in group])
+        cs = as_dtype(queries, self.acc) * as_dtype(gains, self.acc)
+        m, z, u, _ = depth_stats_fwd(bank_rows(bank, nvb), cs, self.points[group.start].eps)
         return group.start, group.stop, (m, z, u)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from attnres.ops import depth_attention
 from attnres.ops.chain import depth_attention_chained
-from attnres.ops.depth_attention import as_dtype
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 
@@ -128,6 +127,11 @@ class DepthAttention(nn.Module):
         a chain) and returns (mixture, this point's carrier)."""
         return depth_attention_chained(sources, carrier, **self._op_arguments(out_norm, out_eps))
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(query w `[1, d]`, key gain g `[d]`, key eps) as they are now: what an inference kernel folds itself."""
+        norm = self.norm
+        return weight_of(self.proj), weight_of(norm), norm.eps
+
     def _op_arguments(self, out_norm: RMSNorm | None, out_eps: float | None) -> dict:
         """The depth-attention op's arguments besides the sources, read from the weights now."""
         return dict(
@@ -151,6 +155,7 @@ class NamedPoint:
     __slots__ = ("owner", "proj_name", "norm_name")
     forward = __call__ = DepthAttention.forward
     chained = DepthAttention.chained
+    weights = DepthAttention.weights
     _op_arguments = DepthAttention._op_arguments
     eps = DepthAttention.eps
 
@@ -167,43 +172,8 @@ class NamedPoint:
         return self.owner._modules[self.norm_name]
 
 
-class FoldedQueries:
-    """{point index: (c, eps)} of one inference forward: c = g * w (`[d]`, in `dtype`) from the weights as they are
-    now, and the key norm's eps, folded at a point's first read. A decode step reads each point once, and a fold of its
-    own per point costs as much as the point's kernel, so every point is folded in one multiply; `layerwise`, only the
-    points of the read's decoder layer (FSDP2 gathers a layer's weights for its own forward only). Held by that
-    forward's residual object, never past it: nothing reliable tells a cache when a weight changed (fused optimizers
-    and `.data` writes change it in place without bumping its version counter; docs/design.md section 11)."""
-
-    def __init__(self, points: Sequence[DepthAttention] | Mapping[int, DepthAttention], dtype: torch.dtype,
-                 layerwise: bool = False):
-        self.points, self.dtype, self.layerwise = points, dtype, layerwise
-        self.folded: dict[int, tuple[torch.Tensor, float]] = {}
-
-    def __getitem__(self, point: int) -> tuple[torch.Tensor, float]:
-        got = self.folded.get(point)
-        if got is None:
-            keys = list(self.points) if isinstance(self.points, Mapping) else range(len(self.points))
-            if self.layerwise:
-                keys = [k for k in keys if k // 2 == point // 2]
-            self.folded.update(fold_queries([self.points[k] for k in keys], self.dtype, keys))
-            got = self.folded[point]
-        return got
-
-
-def stacked_weights(points: Sequence[DepthAttention], norms: Sequence[nn.Module] | None = None):
-    """(queries, key norm gains) of `points`, each `[S, d]`, as phase 1 and the query fold take them; `norms`: the
-    points' key norms, where the caller has looked them up already. One cat each: a stack would first make a view of
-    every gain."""
-    norms = [p.norm for p in points] if norms is None else norms
+def stacked_weights(points: Sequence[DepthAttention]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(queries, key norm gains) of `points`, each `[S, d]`, as phase 1 takes them. One cat each: a stack would first
+    make a view of every gain."""
     queries = torch.cat([weight_of(p.proj) for p in points])
-    return queries, torch.cat([weight_of(n) for n in norms]).view(len(norms), -1)
-
-
-def fold_queries(points: Sequence[DepthAttention], dtype: torch.dtype, keys: Sequence[int]) -> dict:
-    """{key: (c, eps)} for `points` (named by `keys`), all folded in one multiply (`FoldedQueries`)."""
-    norms = [p.norm for p in points]
-    with torch.no_grad():
-        queries, gains = stacked_weights(points, norms)
-        c = as_dtype(queries, dtype) * as_dtype(gains, dtype)
-    return dict(zip(keys, zip(c.unbind(0), [n.eps for n in norms])))
+    return queries, torch.cat([weight_of(p.norm) for p in points]).view(len(points), -1)

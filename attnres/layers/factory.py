@@ -35,8 +35,8 @@ def make_residual(
     (a decoder layer's own two; not needed for "standard"); `block_size` counts decoder layers (Kimi K3
     `attn_res_block_size`); `record`: what the reads keep (`Recorder`); `inference` selects the backends without
     autograd: for "block" the fused bank (`attnres.layers.bank`), for "full" direct kernel calls
-    (`attnres.layers.full_inference`), unless depth is recorded; `layerwise`: those backends read each decoder
-    layer's weights during its own reads only (FSDP2 gathers them layer by layer); `chain` makes the points of "full"
+    (`attnres.layers.full_inference`), unless depth is recorded; `layerwise`: Block's bank scores only a decoder
+    layer's own points in phase 1 (FSDP2 gathers each layer's weights for its own forward); `chain` makes the points of "full"
     a chain for the backward (`attnres.ops.chain`: the same gradients, summed in place; for eager training);
     `full_group`: the points of "full" that phase 1 scores together (`FullResidual`; 0: none; None: chosen by
     the backend where the chain would run).
@@ -48,7 +48,7 @@ def make_residual(
     if residual == STANDARD:
         return StandardResidual(num_layers, **common)
     if residual == FULL:
-        return FullInference(num_layers, points, layerwise=layerwise, **common) if inference else FullResidual(
+        return FullInference(num_layers, points, **common) if inference else FullResidual(
             num_layers, points, chain=chain, group=full_group, **common
         )
     if block_size is None:

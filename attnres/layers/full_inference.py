@@ -3,8 +3,8 @@ bank.
 
 `FullResidual` reads through `attnres.ops.depth_attention`, the differentiable operator: argument checks, a custom-op
 dispatch and the autograd wiring at every point, which at decode (a few tokens per step) cost more than the kernel.
-Here the backend's kernel is bound and every point's query folded from the weights as they are now at the first
-read (`FoldedQueries`), and each point calls the kernel directly: the mixture is the operator's bit for bit.
+Here the backend's kernels are bound at the first read and each point calls one directly on its weights as they are
+now (the kernel folds the query): the mixture is the operator's bit for bit.
 
 Where the sources live depends on the bytes of the bank the forward would take, N (2L + 1) d elements:
 - up to `BANK_BYTES` (a decode step), in one `[N, 2L + 1, d]` bank that lives for the forward: each read writes its
@@ -26,9 +26,9 @@ from typing import NamedTuple
 
 import torch
 
-from attnres.layers.depth_attention import FoldedQueries, weight_of
+from attnres.layers.depth_attention import weight_of
 from attnres.layers.residuals import FullResidual, ReadsWithoutAutograd, ResidualState
-from attnres.ops.depth_attention import accumulator_dtype, flat_tokens
+from attnres.ops.depth_attention import flat_tokens
 from attnres.ops.registry import kernel
 
 # the most bytes of a forward's bank (see the module docstring): SmolLM2-135M's up to 59 tokens in fp32, 119 in bf16
@@ -63,9 +63,8 @@ class FullInference(ReadsWithoutAutograd, FullResidual):
 
     State = (ResidualState, FullBankState)
 
-    def __init__(self, num_layers, points, *, rescale_mixture=False, record=None, layerwise=False):
+    def __init__(self, num_layers, points, *, rescale_mixture=False, record=None):
         super().__init__(num_layers, points, rescale_mixture=rescale_mixture, record=record)
-        self.layerwise = layerwise
         self._forward = self._aggregate = None
 
     def start(self, embedding):
@@ -86,24 +85,23 @@ class FullInference(ReadsWithoutAutograd, FullResidual):
         num_sources = state.count + (state.pending is not None) if banked else len(sources)
         if self._forward is None:
             x = state.bank if banked else sources[0]
-            self.folded = FoldedQueries(self.points, accumulator_dtype(x.dtype), self.layerwise)
-            self._forward, self._aggregate = kernel("depth_attention_fwd", x), kernel("bank_aggregate", x)
-        c, eps = self.folded[point]
+            self._forward, self._aggregate = kernel("point_fwd", x), kernel("bank_aggregate", x)
+        query, gain, eps = self.points[point].weights()
         out_w, out_eps = (None, eps) if norm is None else (weight_of(norm), self._out_eps(norm, num_sources))
         if banked:
-            mix, state = self._read_bank(state, c, out_w, eps, out_eps)
+            mix, state = self._read_bank(state, query, gain, out_w, eps, out_eps)
         else:
-            mix = self._forward(sources, c, out_w, eps, out_eps)[0]
+            mix = self._forward(sources, query, gain, out_w, eps, out_eps)[0]
         return (mix if norm is not None else self._finish_unfused(mix, num_sources)), state
 
-    def _read_bank(self, state: FullBankState, c, out_w, eps, out_eps) -> tuple[torch.Tensor, FullBankState]:
+    def _read_bank(self, state: FullBankState, query, gain, out_w, eps, out_eps) -> tuple[torch.Tensor, FullBankState]:
         """One call: the pending source written as the next bank row, then every row mixed. A second read with no
         write between takes the newest row as the prefix."""
         bank, count, pending, shape = state
         if pending is None:
-            mix = self._aggregate(bank, count - 1, bank[:, count - 1], None, c, out_w, eps, out_eps, False)
+            mix = self._aggregate(bank, count - 1, bank[:, count - 1], None, query, gain, out_w, eps, out_eps, False)
         else:
-            mix = self._aggregate(bank, count, pending, None, c, out_w, eps, out_eps, True)
+            mix = self._aggregate(bank, count, pending, None, query, gain, out_w, eps, out_eps, True)
             count += 1
         # checked at the first call: every later call passes the same bank and rows like the first
         self._aggregate = getattr(self._aggregate, "kernel", self._aggregate)

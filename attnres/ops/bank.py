@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from attnres.ops.checks import check_bank_aggregate, check_bank_merge, validated
-from attnres.ops.depth_attention import torch_depth_attention_fwd
+from attnres.ops.depth_attention import accumulator_dtype, fold_query, torch_depth_attention_fwd
 from attnres.ops.merge import torch_merge_prefix_fwd
 from attnres.ops.registry import kernel, register_portable
 
@@ -39,9 +39,10 @@ def _pending_add(prefix: torch.Tensor, output: torch.Tensor | None) -> None:
         prefix.add_(output)  # same rounding as `prefix + output` in the training stream
 
 
-def torch_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write):
+def torch_bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, write):
     """Portable kernel of `bank_aggregate`: the pending add and the write in torch ops, then the portable one-shot
     forward of training (same rounding)."""
+    c = fold_query(query, gain, accumulator_dtype(prefix.dtype))
     _pending_add(prefix, output)
     if write:
         bank[:, nvb] = prefix
@@ -51,9 +52,10 @@ def torch_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out
     return torch_depth_attention_fwd(sources, c, out_norm_weight, eps, out_eps)[0]
 
 
-def torch_bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps):
+def torch_bank_merge(m, z, u, prefix, output, query, gain, out_norm_weight, eps, out_eps):
     """Portable kernel of `bank_merge`: the pending add, then the portable phase 2 of training."""
     _pending_add(prefix, output)
+    c = fold_query(query, gain, accumulator_dtype(prefix.dtype))
     return torch_merge_prefix_fwd(m, z, u, prefix, c, out_norm_weight, eps, out_eps, prefix.dtype)
 
 
@@ -63,27 +65,30 @@ register_portable({"bank_aggregate": validated(check_bank_aggregate, torch_bank_
 
 
 def bank_aggregate(
-    bank: torch.Tensor, nvb: int, prefix: torch.Tensor, output: torch.Tensor | None, c: torch.Tensor,
-    out_norm_weight: torch.Tensor | None, eps: float, out_eps: float, write: bool,
+    bank: torch.Tensor, nvb: int, prefix: torch.Tensor, output: torch.Tensor | None, query: torch.Tensor,
+    gain: torch.Tensor, out_norm_weight: torch.Tensor | None, eps: float, out_eps: float, write: bool,
 ) -> torch.Tensor:
     """One inference aggregation point over `nvb` bank rows and the prefix; returns the (normed) mixture.
 
     bank `[N, NB, d]` and prefix `[N, d]` (any token strides, unit stride along d; fp32, bf16, fp16 or fp64), output
-    `[N, d]` or None, c `[d]` in the accumulator dtype, the optional output-norm gain `[d]`. Mutates prefix (and, with
+    `[N, d]` or None, the point's query w (`[d]` or `[1, d]`) and key gain g `[d]`, which the kernel folds into
+    c = g * w in the accumulator dtype (each point's own vectors as they are: a fold per forward of every point's
+    would cost a decode step more than its kernels), the optional output-norm gain `[d]`. Mutates prefix (and, with
     `write`, bank row `nvb`: the prefix after the pending add becomes that row and the sources are rows `0..nvb`) and
     returns the mixture `[N, d]` in the prefix's dtype, bit for bit the one-shot forward's over the same rows.
     """
-    return kernel("bank_aggregate", prefix)(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write)
+    return kernel("bank_aggregate", prefix)(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, write)
 
 
 def bank_merge(
     m: torch.Tensor, z: torch.Tensor, u: torch.Tensor, prefix: torch.Tensor, output: torch.Tensor | None,
-    c: torch.Tensor, out_norm_weight: torch.Tensor | None, eps: float, out_eps: float,
+    query: torch.Tensor, gain: torch.Tensor, out_norm_weight: torch.Tensor | None, eps: float, out_eps: float,
 ) -> torch.Tensor:
     """Phase 2 at inference: the bank's phase-1 statistics (m, z `[N]`, u `[N, d]`, accumulator dtype) merged with the
-    prefix `[N, d]` (unit stride along d) after the pending add of output `[N, d]` or None, under c `[d]` and the
-    optional output-norm gain `[d]`. Mutates prefix and returns the (normed) mixture `[N, d]` in the prefix's dtype."""
-    return kernel("bank_merge", prefix)(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps)
+    prefix `[N, d]` (unit stride along d) after the pending add of output `[N, d]` or None, under the point's query
+    and key gain (folded as `bank_aggregate` folds them) and the optional output-norm gain `[d]`. Mutates prefix and
+    returns the (normed) mixture `[N, d]` in the prefix's dtype."""
+    return kernel("bank_merge", prefix)(m, z, u, prefix, output, query, gain, out_norm_weight, eps, out_eps)
 
 
 # Registered as custom ops for torch.compile. Eager callers use the plain functions: the dispatch of a mutating
@@ -93,10 +98,10 @@ bank_merge_op = torch.library.custom_op("attnres::bank_merge", bank_merge, mutat
 
 
 @bank_aggregate_op.register_fake
-def _(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write):
+def _(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, write):
     return prefix.new_empty(prefix.shape)  # contiguous, as every backend's
 
 
 @bank_merge_op.register_fake
-def _(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps):
+def _(m, z, u, prefix, output, query, gain, out_norm_weight, eps, out_eps):
     return prefix.new_empty(prefix.shape)  # contiguous, as every backend's

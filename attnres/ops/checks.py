@@ -87,9 +87,10 @@ def check_eps(name: str, eps: float) -> float:
     return float(eps)
 
 
-def _check_bank_point(prefix, output, c, out_norm_weight, eps, out_eps) -> None:
-    """A point's prefix `[N, d]` (unit stride along d, as it is written in place), with an output of its
-    shape and dtype or None, c and the output-norm gain `[d]` and positive epsilons; raises ValueError/TypeError."""
+def _check_bank_point(prefix, output, query, gain, out_norm_weight, eps, out_eps) -> None:
+    """A point's prefix `[N, d]` (unit stride along d, as it is written in place), with an output of its shape and
+    dtype or None, a query `[d]` or `[1, d]`, a key gain and the output-norm gain `[d]` (or None) and positive epsilons;
+    raises ValueError/TypeError."""
     if not isinstance(prefix, torch.Tensor) or prefix.dtype not in FLOAT_DTYPES:
         got = getattr(prefix, "dtype", type(prefix).__name__)
         raise TypeError(f"prefix: expected a floating tensor [N, d], got {got}")
@@ -101,7 +102,10 @@ def _check_bank_point(prefix, output, c, out_norm_weight, eps, out_eps) -> None:
                                    and output.dtype == prefix.dtype and output.device == prefix.device):
         raise ValueError(f"output: expected None or a tensor of the prefix's shape {tuple(prefix.shape)}, dtype "
                          f"{prefix.dtype} and device, got {output!r:.120}")
-    check_vector("c", c, d, prefix.device)
+    check_vector("query", query, d, prefix.device, allow_rows=True)
+    if gain is None:
+        raise TypeError("gain: expected the point's key norm gain, a tensor [d], got None")
+    check_vector("gain", gain, d, prefix.device)
     check_vector("out_norm_weight", out_norm_weight, d, prefix.device)
     check_eps("eps", eps)
     check_eps("out_eps", out_eps)
@@ -136,10 +140,10 @@ def check_depth_stats(
     return xs, check_eps("eps", eps)
 
 
-def check_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write) -> None:
+def check_bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, write) -> None:
     """The arguments of `attnres.ops.bank.bank_aggregate`: a point, and a bank `[N, NB, d]` like its prefix (unit
     stride along d) with nvb valid rows (and row nvb free at a write)."""
-    _check_bank_point(prefix, output, c, out_norm_weight, eps, out_eps)
+    _check_bank_point(prefix, output, query, gain, out_norm_weight, eps, out_eps)
     n, d = prefix.shape
     if not (isinstance(bank, torch.Tensor) and bank.dim() == 3 and bank.shape[0] == n and bank.shape[2] == d
             and (bank.stride(2) == 1 or d == 1) and bank.dtype == prefix.dtype and bank.device == prefix.device):
@@ -153,10 +157,10 @@ def check_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out
                          f"({'a write point needs row nvb' if write else 'read point'}), got {nvb}")
 
 
-def check_bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps) -> None:
+def check_bank_merge(m, z, u, prefix, output, query, gain, out_norm_weight, eps, out_eps) -> None:
     """The arguments of `attnres.ops.bank.bank_merge`: a point, and the phase-1 statistics of its N tokens: m, z `[N]`
     and u `[N, d]`, floating, on the prefix's device."""
-    _check_bank_point(prefix, output, c, out_norm_weight, eps, out_eps)
+    _check_bank_point(prefix, output, query, gain, out_norm_weight, eps, out_eps)
     n, d = prefix.shape
     for name, t, shape in (("m", m, (n,)), ("z", z, (n,)), ("u", u, (n, d))):
         if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:

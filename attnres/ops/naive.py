@@ -51,20 +51,20 @@ def naive_depth_stats(sources, queries, key_norm_weights=None, *, eps=1e-6):
     return SoftmaxStats(m=m, z=p.sum(1), u=torch.einsum("sr...,r...d->s...d", p, v))
 
 
-def naive_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write):
+def naive_bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, write):
     """Twin of `attnres.ops.bank.bank_aggregate` (same signature and in-place effects), built on the twin above."""
     if output is not None:
         prefix.copy_(prefix + output)
     if write:
         bank[:, nvb] = prefix
     sources = [bank[:, j] for j in range(nvb + 1 if write else nvb)] + ([] if write else [prefix])
-    return naive_depth_attention(sources, c, eps=eps, out_norm_weight=out_norm_weight, out_eps=out_eps)
+    return naive_depth_attention(sources, query, gain, eps=eps, out_norm_weight=out_norm_weight, out_eps=out_eps)
 
 
-def naive_bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps):
+def naive_bank_merge(m, z, u, prefix, output, query, gain, out_norm_weight, eps, out_eps):
     """Twin of `attnres.ops.bank.bank_merge`: the phase-1 statistics merged with the prefix's own statistics."""
     if output is not None:
         prefix.copy_(prefix + output)
-    own = naive_depth_stats([prefix], c[None], eps=eps)
+    own = naive_depth_stats([prefix], query.reshape(1, -1), gain[None], eps=eps)
     stats = merge_stats(SoftmaxStats(m[None], z[None], u[None]), own)
     return finish_stats(stats, out_norm_weight, out_eps=out_eps, dtype=prefix.dtype)[0]

@@ -5,7 +5,6 @@ import torch
 
 from attnres.layers import DepthAttention, RMSNorm, make_stream
 from attnres.layers.bank import BlockBank
-from attnres.layers.depth_attention import FoldedQueries
 from attnres.layers.residuals import PreNorm
 
 
@@ -98,7 +97,7 @@ def test_bank_stream_unfused_reads_return_the_mixture():
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_queries_are_folded_from_the_weights_at_every_forward():
+def test_reads_take_the_weights_as_they_are_at_every_forward():
     L, S, d = 3, 1, 8
     points, norms, mats = _stack(L, d, seed=3)
     emb = torch.randn(5, d)
@@ -111,16 +110,9 @@ def test_queries_are_folded_from_the_weights_at_every_forward():
         ref = _run(make_stream("block", emb, L, points, block_size=S), norms, mats)
         out = _run(make_stream("block", emb, L, points, block_size=S, inference=True), norms, mats)
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
-    for layerwise in (False, True):
-        folded = FoldedQueries(points, torch.float32, layerwise)
-        for k, point in enumerate(points):
-            assert torch.equal(folded[k][0], point.proj.weight[0] * point.norm.weight) and folded[k][1] == point.eps
-        assert len(folded.folded) == len(points)
-    layer = FoldedQueries(points, torch.float32, layerwise=True)
-    layer[3]
-    assert sorted(layer.folded) == [2, 3]  # a decoder layer's own points only
-    points[4].proj.weight.data.mul_(2.0)
-    assert torch.equal(FoldedQueries(points, torch.float32)[4][0], 2 * folded[4][0])  # fresh tensors at every forward
+    for point in points:  # a read takes its point's own weights as they are: nothing folded ahead, nothing kept
+        query, gain, eps = point.weights()
+        assert query is point.proj.weight and gain is point.norm.weight and eps == point.eps
 
 
 def test_the_first_point_checks_what_the_kernel_takes():

@@ -69,7 +69,7 @@ def test_reads_equal_full_stream_bit_for_bit(monkeypatch, cpu_kernel_calls, toke
     assert isinstance(got_stream.state(), FullBankState if banked else ResidualState)
     cpu_kernel_calls.clear()
     got = reads(got_stream, norms, outputs)
-    op = "bank_aggregate" if banked else "depth_attention_fwd"
+    op = "bank_aggregate" if banked else "point_fwd"
     assert cpu_kernel_calls == ([op] * (2 * LAYERS + 1) if backend == "auto" else [])
     assert len(got) == len(want) == 2 * LAYERS + 1
     for k, (a, b) in enumerate(zip(got, want)):

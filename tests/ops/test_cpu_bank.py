@@ -46,16 +46,20 @@ def strided(t: torch.Tensor) -> torch.Tensor:
 
 
 def make_point(N: int, d: int, dtype: torch.dtype, seed: int, *, layout: str = "contiguous") -> dict:
-    """A point's tensors: bank rows of distinct scales, a query giving order-one scores (a far from uniform softmax)."""
+    """A point's tensors: bank rows of distinct scales, a query and key gain giving order-one scores (a far from
+    uniform softmax), and their fold c."""
     g = torch.Generator().manual_seed(seed)
     randn = lambda *size: torch.randn(*size, generator=g, dtype=torch.float64)  # noqa: E731
     t = {
         "bank": (randn(N, NB, d) * (0.5 + torch.arange(NB) / 4)[:, None]).to(dtype),
         "prefix": randn(N, d).to(dtype),
         "output": randn(N, d).to(dtype),
-        "c": (randn(d) * 2 / d**0.5).to(torch.float64 if dtype == torch.float64 else torch.float32),
+        "query": (randn(1, d) * 2 / d**0.5).to(dtype),  # a point's weights, in the model's dtype
+        "gain": (1 + 0.25 * randn(d)).to(dtype),
         "ow": (1 + 0.5 * randn(d)).float(),
     }
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    t["c"] = t["query"][0].to(acc) * t["gain"].to(acc)  # the fold, for the unfused path
     if layout == "strided":
         t["bank"], t["prefix"] = strided(t["bank"]), strided(t["prefix"])
         t["output"] = t["output"].t().contiguous().t()  # column-major: copied by the host code, not read in place
@@ -94,7 +98,7 @@ def test_bank_aggregate(cpu_kernel_calls, dtype, shape, write, with_output, onor
     t = make_point(N, d, dtype, seed=N + d + write, layout=layout)
     output, ow = t["output"] if with_output else None, t["ow"] if onorm else None
     bank, prefix = clone(t["bank"]), clone(t["prefix"])
-    mix = bank_ops.bank_aggregate(bank, nvb, prefix, output, t["c"], ow, EPS, OUT_EPS, write)
+    mix = bank_ops.bank_aggregate(bank, nvb, prefix, output, t["query"], t["gain"], ow, EPS, OUT_EPS, write)
     assert cpu_kernel_calls == ["bank_aggregate"]
 
     ref_bank, ref_prefix = clone(t["bank"]), clone(t["prefix"])
@@ -103,7 +107,7 @@ def test_bank_aggregate(cpu_kernel_calls, dtype, shape, write, with_output, onor
     assert torch.equal(bank, ref_bank), "the bank: row nvb written at a write point, nothing else"
     assert torch.equal(mix, ref), "the mixture: bit for bit the unfused CPU path's"
 
-    twin = naive_bank_aggregate(t["bank"], nvb, t["prefix"], output, t["c"], ow, EPS, OUT_EPS, write)
+    twin = naive_bank_aggregate(t["bank"], nvb, t["prefix"], output, t["query"], t["gain"], ow, EPS, OUT_EPS, write)
     assert torch.equal(prefix, t["prefix"]) and torch.equal(bank, t["bank"])
     assert_mixture(mix, twin)
 
@@ -114,10 +118,10 @@ def test_bank_aggregate_without_bank_rows(dtype, write):
     """nvb = 0: layer 0's point (the embedding written to row 0), or the prefix alone."""
     t = make_point(3, 7, dtype, seed=11)
     bank, prefix = t["bank"].clone(), t["prefix"].clone()
-    mix = cpu.cpu_bank_aggregate(bank, 0, prefix, t["output"], t["c"], t["ow"], EPS, OUT_EPS, write)
+    mix = cpu.cpu_bank_aggregate(bank, 0, prefix, t["output"], t["query"], t["gain"], t["ow"], EPS, OUT_EPS, write)
     ref_bank, ref_prefix = t["bank"].clone(), t["prefix"].clone()
     assert torch.equal(mix, unfused(ref_bank, 0, ref_prefix, t["output"], t["c"], t["ow"], write))
-    twin = naive_bank_aggregate(t["bank"], 0, t["prefix"], t["output"], t["c"], t["ow"], EPS, OUT_EPS, write)
+    twin = naive_bank_aggregate(t["bank"], 0, t["prefix"], t["output"], t["query"], t["gain"], t["ow"], EPS, OUT_EPS, write)
     assert torch.equal(prefix, t["prefix"]) and torch.equal(bank, t["bank"]) and torch.equal(bank, ref_bank)
     assert_mixture(mix, twin)
 
@@ -126,8 +130,8 @@ def test_bank_aggregate_fp64():
     """fp64 (which the dispatch gives the torch path) in fp64 arithmetic, when called directly."""
     t = make_point(5, 130, torch.float64, seed=3)
     bank, prefix = t["bank"].clone(), t["prefix"].clone()
-    mix = cpu.cpu_bank_aggregate(bank, 3, prefix, t["output"], t["c"], t["ow"], EPS, OUT_EPS, True)
-    twin = naive_bank_aggregate(t["bank"], 3, t["prefix"], t["output"], t["c"], t["ow"], EPS, OUT_EPS, True)
+    mix = cpu.cpu_bank_aggregate(bank, 3, prefix, t["output"], t["query"], t["gain"], t["ow"], EPS, OUT_EPS, True)
+    twin = naive_bank_aggregate(t["bank"], 3, t["prefix"], t["output"], t["query"], t["gain"], t["ow"], EPS, OUT_EPS, True)
     assert torch.equal(prefix, t["prefix"]) and torch.equal(bank, t["bank"])
     assert_mixture(mix, twin)
 
@@ -143,7 +147,7 @@ def test_bank_merge(cpu_kernel_calls, monkeypatch, dtype, shape, with_output, on
     t = make_point(N, d, dtype, seed=N + d, layout=layout)
     output, ow = t["output"] if with_output else None, t["ow"] if onorm else None
     m, z, u = (s[0] for s in naive_depth_stats(bank_ops.bank_rows(t["bank"], 3), t["c"][None], eps=EPS))
-    args = (output, t["c"], ow, EPS, OUT_EPS)
+    args = (output, t["query"], t["gain"], ow, EPS, OUT_EPS)
     prefix, torch_prefix = clone(t["prefix"]), clone(t["prefix"])
     mix = bank_ops.bank_merge(m, z, u, prefix, *args)
     assert cpu_kernel_calls == ["bank_merge"]
@@ -160,26 +164,28 @@ def test_bank_merge_fp64():
     t = make_point(5, 130, torch.float64, seed=4)
     m, z, u = (s[0] for s in naive_depth_stats(bank_ops.bank_rows(t["bank"], 3), t["c"][None], eps=EPS))
     prefix = t["prefix"].clone()
-    mix = cpu.cpu_bank_merge(m, z, u, prefix, t["output"], t["c"], t["ow"], EPS, OUT_EPS)
-    twin = naive_bank_merge(m, z, u, t["prefix"], t["output"], t["c"], t["ow"], EPS, OUT_EPS)
+    mix = cpu.cpu_bank_merge(m, z, u, prefix, t["output"], t["query"], t["gain"], t["ow"], EPS, OUT_EPS)
+    twin = naive_bank_merge(m, z, u, t["prefix"], t["output"], t["query"], t["gain"], t["ow"], EPS, OUT_EPS)
     assert torch.equal(prefix, t["prefix"])
     assert_mixture(mix, twin)
 
 
 def test_no_tokens():
     t = make_point(0, 7, torch.float32, seed=0)
-    mix = cpu.cpu_bank_aggregate(t["bank"], 2, t["prefix"], t["output"], t["c"], t["ow"], EPS, OUT_EPS, True)
+    mix = cpu.cpu_bank_aggregate(t["bank"], 2, t["prefix"], t["output"], t["query"], t["gain"], t["ow"], EPS, OUT_EPS, True)
     assert mix.shape == (0, 7)
 
 
 def _bad_cases():
     t = make_point(2, 4, torch.float32, seed=0)
-    bank, prefix, output, c, ow = t["bank"], t["prefix"], t["output"], t["c"], t["ow"]
-    agg = lambda **kw: {"op": "aggregate", **dict(bank=bank, nvb=2, prefix=prefix, output=output, c=c,  # noqa: E731
-                                                 out_norm_weight=ow, eps=EPS, out_eps=OUT_EPS, write=True), **kw}
+    bank, prefix, output, query, gain, ow = (t[k] for k in ("bank", "prefix", "output", "query", "gain", "ow"))
+    agg = lambda **kw: {"op": "aggregate", **dict(bank=bank, nvb=2, prefix=prefix, output=output,  # noqa: E731
+                                                 query=query, gain=gain, out_norm_weight=ow, eps=EPS, out_eps=OUT_EPS,
+                                                 write=True), **kw}
     m, z, u = torch.zeros(2), torch.ones(2), torch.zeros(2, 4)
-    merge = lambda **kw: {"op": "merge", **dict(m=m, z=z, u=u, prefix=prefix, output=output, c=c,  # noqa: E731
-                                               out_norm_weight=ow, eps=EPS, out_eps=OUT_EPS), **kw}
+    merge = lambda **kw: {"op": "merge", **dict(m=m, z=z, u=u, prefix=prefix, output=output,  # noqa: E731
+                                               query=query, gain=gain, out_norm_weight=ow, eps=EPS, out_eps=OUT_EPS),
+                          **kw}
     return {
         "prefix-1d": (agg(prefix=prefix[0]), ValueError, "prefix"),
         "prefix-int": (agg(prefix=prefix.int()), TypeError, "prefix"),
@@ -187,7 +193,9 @@ def _bad_cases():
         "prefix-not-a-tensor": (agg(prefix=[[0.0] * 4] * 2), TypeError, "prefix"),
         "output-shape": (agg(output=output[:1]), ValueError, "output"),
         "output-dtype": (agg(output=output.half()), ValueError, "output"),
-        "c-shape": (agg(c=c[:3]), ValueError, "c"),
+        "query-shape": (agg(query=query[:, :3]), ValueError, "query"),
+        "key-gain-shape": (agg(gain=gain[None]), ValueError, "gain"),
+        "key-gain-missing": (merge(gain=None), TypeError, "gain"),
         "gain-shape": (agg(out_norm_weight=ow[None]), ValueError, "out_norm_weight"),
         "bank-tokens": (agg(bank=bank[:1]), ValueError, "bank"),
         "bank-d": (agg(bank=bank[..., :3]), ValueError, "bank"),
@@ -219,7 +227,7 @@ def test_dispatch_validates_before_mutating():
     t = make_point(2, 4, torch.float32, seed=0)
     prefix = t["prefix"].clone()
     with pytest.raises(ValueError, match="^nvb:"):
-        bank_ops.bank_aggregate(t["bank"], NB, prefix, t["output"], t["c"], None, EPS, OUT_EPS, True)
+        bank_ops.bank_aggregate(t["bank"], NB, prefix, t["output"], t["query"], t["gain"], None, EPS, OUT_EPS, True)
     assert torch.equal(prefix, t["prefix"])
 
 
@@ -253,8 +261,7 @@ def test_bf16_stores_round_to_nearest_even_as_torch():
     prefix[: a.numel()], output[: b.numel()] = a, b
     prefix, output = prefix.view(-1, 16), output.view(-1, 16)
     bank = torch.zeros(prefix.shape[0], 1, 16, dtype=torch.bfloat16)
-    c = torch.zeros(16)
     want = prefix.clone().add_(output)
-    cpu.cpu_bank_aggregate(bank, 0, prefix, output, c, None, EPS, OUT_EPS, False)
+    cpu.cpu_bank_aggregate(bank, 0, prefix, output, torch.zeros(1, 16), torch.ones(16), None, EPS, OUT_EPS, False)
     same = (prefix.view(torch.int16) == want.view(torch.int16)) | (prefix.isnan() & want.isnan())
     assert bool(same.all()), prefix.flatten()[~same.flatten()][:8]

@@ -233,13 +233,14 @@ def bank_aggregate(d, n, dtype=torch.bfloat16, output=True, write=False, out_nor
     nvb = rows - 1 if write else rows  # a write point stores the prefix as the last row
     return lambda: bank.triton_bank_aggregate(
         torch.empty(n, rows, d, dtype=dtype), nvb, torch.empty(n, d, dtype=dtype),
-        torch.empty(n, d, dtype=dtype) if output else None, vec(d), vec(d) if out_norm else None, 1e-6, 1e-6, write)
+        torch.empty(n, d, dtype=dtype) if output else None, vec(d), vec(d), vec(d) if out_norm else None, 1e-6, 1e-6,
+        write)
 
 
 def bank_merge(d, n, dtype=torch.bfloat16, output=True, out_norm=True):
     return lambda: bank.triton_bank_merge(
         torch.empty(n), torch.empty(n), torch.empty(n, d), torch.empty(n, d, dtype=dtype),
-        torch.empty(n, d, dtype=dtype) if output else None, vec(d), vec(d) if out_norm else None, 1e-6, 1e-6)
+        torch.empty(n, d, dtype=dtype) if output else None, vec(d), vec(d), vec(d) if out_norm else None, 1e-6, 1e-6)
 
 
 def flips(**options) -> list[dict]:

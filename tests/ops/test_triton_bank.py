@@ -53,16 +53,20 @@ def assert_mixture(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def make_point(N: int, NB: int, d: int, dtype: torch.dtype, seed: int) -> dict:
-    """A point's tensors: rows of distinct scales and a query giving order-one scores (a far from uniform softmax)."""
+    """A point's tensors: rows of distinct scales and a query and key gain giving order-one scores (a far from uniform
+    softmax), and their fold c."""
     g = torch.Generator().manual_seed(seed)
     randn = lambda *size: torch.randn(*size, generator=g)  # noqa: E731
-    return {
+    t = {
         "bank": (randn(N, NB, d) * (0.5 + torch.arange(NB) / 4)[:, None]).to(dtype).to(DEVICE),
         "prefix": randn(N, d).to(dtype).to(DEVICE),
         "output": randn(N, d).to(dtype).to(DEVICE),
-        "c": (randn(d) * 2 / d**0.5).to(DEVICE),
+        "query": (randn(1, d) * 2 / d**0.5).to(dtype).to(DEVICE),  # a point's weights, in the model's dtype
+        "gain": (1 + 0.25 * randn(d)).to(dtype).to(DEVICE),
         "ow": (1 + 0.5 * randn(d)).to(DEVICE),
     }
+    t["c"] = t["query"][0].float() * t["gain"].float()  # the fold, for phase 1's statistics
+    return t
 
 
 # (dtype, d, nvb, write, pending output, output norm): single-axis and multi-axis stress
@@ -92,8 +96,8 @@ def test_bank_aggregate_matches_twin(case):
     t = make_point(N=3, NB=6, d=d, dtype=dtype, seed=d + 7 * nvb)
     output, ow = t["output"] if with_output else None, t["ow"] if onorm else None
     bank, prefix = t["bank"].clone(), t["prefix"].clone()
-    mix = triton_bank_aggregate(bank, nvb, prefix, output, t["c"], ow, EPS, OUT_EPS, write)
-    ref = naive_bank_aggregate(t["bank"], nvb, t["prefix"], output, t["c"], ow, EPS, OUT_EPS, write)
+    mix = triton_bank_aggregate(bank, nvb, prefix, output, t["query"], t["gain"], ow, EPS, OUT_EPS, write)
+    ref = naive_bank_aggregate(t["bank"], nvb, t["prefix"], output, t["query"], t["gain"], ow, EPS, OUT_EPS, write)
     assert torch.equal(prefix, t["prefix"]), "the prefix after the pending add"
     assert torch.equal(bank, t["bank"]), "the bank: row nvb written at a write point, nothing else"
     assert_mixture(mix, ref)
@@ -124,8 +128,8 @@ def test_bank_merge_matches_twin(case):
     stats = naive_depth_stats(bank_ops.bank_rows(t["bank"], 4), t["c"][None], eps=EPS)
     m, z, u = (s[0] for s in stats)
     prefix = t["prefix"].clone()
-    mix = triton_bank_merge(m, z, u, prefix, output, t["c"], ow, EPS, OUT_EPS)
-    ref = naive_bank_merge(m, z, u, t["prefix"], output, t["c"], ow, EPS, OUT_EPS)
+    mix = triton_bank_merge(m, z, u, prefix, output, t["query"], t["gain"], ow, EPS, OUT_EPS)
+    ref = naive_bank_merge(m, z, u, t["prefix"], output, t["query"], t["gain"], ow, EPS, OUT_EPS)
     assert torch.equal(prefix, t["prefix"]), "the prefix after the pending add"
     assert_mixture(mix, ref)
 
@@ -141,8 +145,8 @@ def test_strided_bank_and_prefix_are_written_in_place():
     wide_prefix = torch.zeros(4, 16, device=DEVICE)
     wide_prefix[:, :8] = t["prefix"]
     bank, prefix = wide_bank[..., :8], wide_prefix[:, :8]
-    mix = triton_bank_aggregate(bank, 1, prefix, t["output"], t["c"], t["ow"], EPS, OUT_EPS, True)
-    ref = naive_bank_aggregate(t["bank"], 1, t["prefix"], t["output"], t["c"], t["ow"], EPS, OUT_EPS, True)
+    mix = triton_bank_aggregate(bank, 1, prefix, t["output"], t["query"], t["gain"], t["ow"], EPS, OUT_EPS, True)
+    ref = naive_bank_aggregate(t["bank"], 1, t["prefix"], t["output"], t["query"], t["gain"], t["ow"], EPS, OUT_EPS, True)
     assert torch.equal(bank, t["bank"]) and torch.equal(prefix, t["prefix"])
     assert not wide_bank[..., 8].any() and not wide_prefix[:, 8:].any(), "nothing outside the views is written"
     assert_mixture(mix, ref)
@@ -161,8 +165,8 @@ def test_token_offsets_past_2_to_the_31_are_64_bit():
     t = make_point(N=N, NB=NB, d=d, dtype=torch.float16, seed=5)
     bank.copy_(t["bank"])
     prefix = t["prefix"].clone()
-    mix = triton_bank_aggregate(bank, 1, prefix, t["output"], t["c"], t["ow"], EPS, OUT_EPS, True)
-    ref = naive_bank_aggregate(t["bank"], 1, t["prefix"], t["output"], t["c"], t["ow"], EPS, OUT_EPS, True)
+    mix = triton_bank_aggregate(bank, 1, prefix, t["output"], t["query"], t["gain"], t["ow"], EPS, OUT_EPS, True)
+    ref = naive_bank_aggregate(t["bank"], 1, t["prefix"], t["output"], t["query"], t["gain"], t["ow"], EPS, OUT_EPS, True)
     assert torch.equal(bank, t["bank"]) and torch.equal(prefix, t["prefix"])
     assert_mixture(mix, ref)
 
@@ -181,7 +185,7 @@ def test_dispatch_routes_to_the_fused_kernels(monkeypatch):
     routed = {op: spy(op.removeprefix("bank_"), TRITON.kernels[op]) for op in ("bank_aggregate", "bank_merge")}
     monkeypatch.setattr(bank_ops, "kernel", lambda op, x, rows=None: routed[op])  # any other lookup fails
     t = make_point(N=2, NB=3, d=7, dtype=torch.bfloat16, seed=9)
-    args = (t["output"], t["c"], t["ow"], EPS, OUT_EPS)
+    args = (t["output"], t["query"], t["gain"], t["ow"], EPS, OUT_EPS)
     bank, prefix = t["bank"].clone(), t["prefix"].clone()
     mix = bank_ops.bank_aggregate(bank, 2, prefix, *args, True)
     ref = naive_bank_aggregate(t["bank"], 2, t["prefix"], *args, True)
@@ -201,15 +205,15 @@ def test_dispatch_routes_to_the_fused_kernels(monkeypatch):
 def test_rejects_what_the_kernels_do_not_take():
     aggregate, merge = TRITON.kernels["bank_aggregate"], TRITON.kernels["bank_merge"]  # behind the bank ops' checks
     t = make_point(N=2, NB=3, d=4, dtype=torch.float32, seed=0)
-    bank, prefix, c = t["bank"], t["prefix"], t["c"]
+    bank, prefix, c, point = t["bank"], t["prefix"], t["c"], (t["query"], t["gain"])
     with pytest.raises(ValueError, match="nvb: expected 0 <= nvb <= 2"):
-        aggregate(bank, 3, prefix, None, c, None, EPS, EPS, True)
+        aggregate(bank, 3, prefix, None, *point, None, EPS, EPS, True)
     with pytest.raises(ValueError, match=r"bank: expected \[2, NB, 4\]"):
-        aggregate(bank[:1], 1, prefix, None, c, None, EPS, EPS, False)
+        aggregate(bank[:1], 1, prefix, None, *point, None, EPS, EPS, False)
     with pytest.raises(TypeError, match="prefix: .*float64"):
-        merge(c[:2], c[:2], prefix.double(), prefix.double(), None, c, None, EPS, EPS)
+        merge(c[:2], c[:2], prefix.double(), prefix.double(), None, *point, None, EPS, EPS)
     with pytest.raises(ValueError, match="output: expected"):
-        merge(c[:2], c[:2], prefix, prefix, prefix[:1], c, None, EPS, EPS)
+        merge(c[:2], c[:2], prefix, prefix, prefix[:1], *point, None, EPS, EPS)
     assert torch.equal(bank, make_point(N=2, NB=3, d=4, dtype=torch.float32, seed=0)["bank"]), "nothing written"
 
 
@@ -233,7 +237,7 @@ def test_kernels_compile_for_hopper(kernel):
     from attnres.ops.triton import bank as kernels
 
     bf16, f32, i32 = "*bf16", "*fp32", "i32"
-    common = {"prefix": bf16, "output": bf16, "c": f32, "out_weight": f32, "out": bf16, "N": i32,
+    common = {"prefix": bf16, "output": bf16, "query": bf16, "gain": bf16, "out_weight": f32, "out": bf16, "N": i32,
               "prefix_stride": i32, "eps": "fp32", "out_eps": "fp32"}
     if kernel == "aggregate":
         fn = kernels.bank_aggregate_kernel

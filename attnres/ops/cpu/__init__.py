@@ -123,14 +123,14 @@ def cpu_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, eps):
     return list(grads), dcs
 
 
-def cpu_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write):
-    """Kernel of `attnres.ops.bank.bank_aggregate`, the whole point in one call."""
-    return _ops().bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, bool(write))
+def cpu_bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, write):
+    """Kernel of `attnres.ops.bank.bank_aggregate`, the whole point (the query's fold too) in one call."""
+    return _ops().bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, bool(write))
 
 
-def cpu_bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps):
-    """Kernel of `attnres.ops.bank.bank_merge`, the whole point in one call."""
-    return _ops().bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps)
+def cpu_bank_merge(m, z, u, prefix, output, query, gain, out_norm_weight, eps, out_eps):
+    """Kernel of `attnres.ops.bank.bank_merge`, the whole point (the query's fold too) in one call."""
+    return _ops().bank_merge(m, z, u, prefix, output, query, gain, out_norm_weight, eps, out_eps)
 
 
 def cpu_merge_sources_fwd(m, z, u, sources, c, out_norm_weight, eps, out_eps, dtype):

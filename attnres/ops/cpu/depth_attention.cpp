@@ -22,6 +22,7 @@
 // SIMD is written with GCC/Clang vector extensions at the machine's width (the library is compiled with
 // -march=native), with x86 intrinsics where they beat the generic bf16 and fp16 conversions. Large outputs ask for
 // transparent huge pages (see new_output).
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -1805,13 +1806,42 @@ at::Tensor acc_vector(const at::Tensor& t, int64_t d, at::ScalarType acc) {  // 
   return t.scalar_type() == acc && t.dim() == 1 && t.is_contiguous() ? t : t.reshape({d}).to(acc).contiguous();
 }
 
-struct BankPoint {  // what both bank ops share: the prefix [N, d], the pending output, c, the output-norm gain
+// `t`'s d elements (a point's `[d]` or `[1, d]` parameter, any floating dtype) converted into `out`, element by element:
+// at decode an ATen conversion per vector would cost more than the point's kernel.
+template <class A>
+void load_vector(const at::Tensor& t, int64_t d, A* out) {
+  TORCH_CHECK(t.device().is_cpu() && t.numel() == d, "attnres_cpu: expected a CPU vector of ", d, " elements");
+  const at::Tensor v = t.is_contiguous() ? t : t.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, v.scalar_type(), "attnres_cpu", [&] {
+    const scalar_t* p = v.const_data_ptr<scalar_t>();
+    for (int64_t i = 0; i < d; ++i) out[i] = static_cast<A>(p[i]);
+  });
+}
+
+template <class A>
+struct PointVectors {  // a bank op's vectors in the accumulator dtype: c = g * w, folded here, and the output-norm gain
+  std::vector<A> c, g, out_w;
+
+  PointVectors(const at::Tensor& query, const at::Tensor& gain, const std::optional<at::Tensor>& out_norm_weight,
+               int64_t d)
+      : c(d), g(d) {
+    load_vector(query, d, c.data());
+    load_vector(gain, d, g.data());
+    for (int64_t i = 0; i < d; ++i) c[i] *= g[i];  // one rounding, as the product of the two vectors in A
+    if (out_norm_weight) {
+      out_w.resize(d);
+      load_vector(*out_norm_weight, d, out_w.data());
+    }
+  }
+  const A* gain() const { return out_w.empty() ? nullptr : out_w.data(); }
+};
+
+struct BankPoint {  // what both bank ops share: the prefix [N, d] and the pending output
   at::ScalarType dtype, acc;
   int64_t n_tok, d;
-  at::Tensor output, c, out_w;
+  at::Tensor output;
 
-  BankPoint(const at::Tensor& prefix, const std::optional<at::Tensor>& output_, const at::Tensor& c_,
-            const std::optional<at::Tensor>& out_norm_weight)
+  BankPoint(const at::Tensor& prefix, const std::optional<at::Tensor>& output_)
       : dtype(prefix.scalar_type()), acc(dtype == at::kDouble ? at::kDouble : at::kFloat), n_tok(prefix.size(0)),
         d(prefix.size(-1)) {
     TORCH_CHECK(prefix.dim() == 2 && d > 0, "attnres_cpu: expected a prefix [N, d], d >= 1");
@@ -1819,23 +1849,17 @@ struct BankPoint {  // what both bank ops share: the prefix [N, d], the pending 
       TORCH_CHECK(output_->scalar_type() == dtype, "attnres_cpu: output must have the prefix's dtype");
       output = output_->stride(-1) == 1 ? *output_ : output_->contiguous();
     }
-    c = acc_vector(c_, d, acc);
-    if (out_norm_weight) out_w = acc_vector(*out_norm_weight, d, acc);
   }
   template <class T>
   Rows<const T> output_rows() const {
     return output.defined() ? rows_in_place<const T>(output, n_tok, d) : Rows<const T>{nullptr, 0};
   }
-  template <class A>
-  const A* gain() const {
-    return out_w.defined() ? out_w.data_ptr<A>() : nullptr;
-  }
 };
 
 at::Tensor bank_aggregate(const at::Tensor& bank, int64_t nvb, const at::Tensor& prefix,
-                          const std::optional<at::Tensor>& output, const at::Tensor& c,
+                          const std::optional<at::Tensor>& output, const at::Tensor& query, const at::Tensor& gain,
                           const std::optional<at::Tensor>& out_norm_weight, double eps, double out_eps, bool write) {
-  BankPoint p(prefix, output, c, out_norm_weight);
+  BankPoint p(prefix, output);
   TORCH_CHECK(bank.device().is_cpu() && bank.dim() == 3 && bank.size(0) == p.n_tok && bank.size(2) == p.d &&
                   (bank.stride(2) == 1 || p.d == 1) && bank.scalar_type() == p.dtype,
               "attnres_cpu: expected a bank [N, NB, d] of the prefix's dtype, unit stride along d");
@@ -1845,18 +1869,19 @@ at::Tensor bank_aggregate(const at::Tensor& bank, int64_t nvb, const at::Tensor&
     using K = decltype(k);
     using A = typename K::acc;
     using R = typename K::raw;
+    const PointVectors<A> v(query, gain, out_norm_weight, p.d);
     const Rows<R> token_rows{static_cast<R*>(bank.data_ptr()), bank.stride(0)};
     bank_aggregate_kernel<K>(token_rows, bank.stride(1), nvb, rows_in_place<R>(prefix, p.n_tok, p.d),
-                             p.output_rows<R>(), p.c.data_ptr<A>(), p.gain<A>(), eps, out_eps, write, p.n_tok, p.d,
+                             p.output_rows<R>(), v.c.data(), v.gain(), eps, out_eps, write, p.n_tok, p.d,
                              static_cast<R*>(out.data_ptr()));
   });
   return out;
 }
 
 at::Tensor bank_merge(const at::Tensor& m, const at::Tensor& z, const at::Tensor& u, const at::Tensor& prefix,
-                      const std::optional<at::Tensor>& output, const at::Tensor& c,
+                      const std::optional<at::Tensor>& output, const at::Tensor& query, const at::Tensor& gain,
                       const std::optional<at::Tensor>& out_norm_weight, double eps, double out_eps) {
-  BankPoint p(prefix, output, c, out_norm_weight);
+  BankPoint p(prefix, output);
   TORCH_CHECK(m.numel() == p.n_tok && z.numel() == p.n_tok && u.dim() == 2, "attnres_cpu: expected m, z [N], u [N, d]");
   auto mv = acc_vector(m, p.n_tok, p.acc), zv = acc_vector(z, p.n_tok, p.acc);
   auto uv = u.scalar_type() == p.acc && u.stride(-1) == 1 ? u : u.to(p.acc).contiguous();
@@ -1865,9 +1890,10 @@ at::Tensor bank_merge(const at::Tensor& m, const at::Tensor& z, const at::Tensor
     using K = decltype(k);
     using A = typename K::acc;
     using R = typename K::raw;
+    const PointVectors<A> v(query, gain, out_norm_weight, p.d);
     bank_merge_kernel<K>(mv.data_ptr<A>(), zv.data_ptr<A>(), rows_in_place<const A>(uv, p.n_tok, p.d),
-                         rows_in_place<R>(prefix, p.n_tok, p.d), p.output_rows<R>(), p.c.data_ptr<A>(), p.gain<A>(),
-                         eps, out_eps, p.n_tok, p.d, static_cast<R*>(out.data_ptr()));
+                         rows_in_place<R>(prefix, p.n_tok, p.d), p.output_rows<R>(), v.c.data(), v.gain(), eps,
+                         out_eps, p.n_tok, p.d, static_cast<R*>(out.data_ptr()));
   });
   return out;
 }
@@ -1969,10 +1995,10 @@ TORCH_LIBRARY(attnres_cpu, m) {
   m.def("depth_stats_fwd(Tensor[] sources, Tensor cs, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("depth_stats_bwd(Tensor grad_z, Tensor grad_u, Tensor[] sources, Tensor cs, Tensor m, Tensor rstd)"
         " -> (Tensor[], Tensor)");
-  m.def("bank_aggregate(Tensor(a!) bank, int nvb, Tensor(b!) prefix, Tensor? output, Tensor c, Tensor? out_norm_weight,"
-        " float eps, float out_eps, bool write) -> Tensor");
-  m.def("bank_merge(Tensor m, Tensor z, Tensor u, Tensor(a!) prefix, Tensor? output, Tensor c, Tensor? out_norm_weight,"
-        " float eps, float out_eps) -> Tensor");
+  m.def("bank_aggregate(Tensor(a!) bank, int nvb, Tensor(b!) prefix, Tensor? output, Tensor query, Tensor gain,"
+        " Tensor? out_norm_weight, float eps, float out_eps, bool write) -> Tensor");
+  m.def("bank_merge(Tensor m, Tensor z, Tensor u, Tensor(a!) prefix, Tensor? output, Tensor query, Tensor gain,"
+        " Tensor? out_norm_weight, float eps, float out_eps) -> Tensor");
   m.def("merge_sources_fwd(Tensor m, Tensor z, Tensor u, Tensor[] sources, Tensor? c, Tensor? out_norm_weight,"
         " float eps, float out_eps, ScalarType dtype) -> Tensor");
   m.def("merge_sources_bwd(Tensor grad_out, Tensor m, Tensor z, Tensor u, Tensor[] sources, Tensor? c,"

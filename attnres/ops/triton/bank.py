@@ -55,12 +55,19 @@ def pending_add(prefix_ptrs, output, offsets, mask, HAS_OUTPUT: tl.constexpr, DT
     return p
 
 
+@triton.jit
+def fold(query, gain, cols, col_ok):
+    """c = g * w in fp32, from the point's own vectors (any float dtype)."""
+    w = tl.load(query + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return w * tl.load(gain + cols, mask=col_ok, other=0.0).to(tl.float32)
+
+
 # autotuning runs the kernel many times: each run starts from the saved prefix, and then writes the same bank row (no
 # row the kernel reads), so the prefix is the only state to restore (a bank copy would swamp the timings)
 @row_tiles(key=["D", "OUT_NORM", "DTYPE"], restore_value=["prefix"])
 @triton.jit
 def bank_aggregate_kernel(
-    bank, prefix, output, c, out_weight, out, N, nvb, bank_stride_t, bank_stride_r, prefix_stride, eps, out_eps,
+    bank, prefix, output, query, gain, out_weight, out, N, nvb, bank_stride_t, bank_stride_r, prefix_stride, eps, out_eps,
     D: tl.constexpr, D_PAD: tl.constexpr, HAS_OUTPUT: tl.constexpr, WRITE: tl.constexpr, OUT_NORM: tl.constexpr,
     DTYPE: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -73,7 +80,7 @@ def bank_aggregate_kernel(
 
     # the prefix (the last source, bank row nvb at a write point) starts the online softmax, so its tile is dead
     # before the loop over the bank rows; the order of the sources changes nothing but fp32 rounding
-    cv = tl.load(c + cols, mask=col_ok, other=0.0)
+    cv = fold(query, gain, cols, col_ok)
     acc = p.to(tl.float32)
     _, m = score_source(acc, cv, eps, D)
     z = tl.full([BLOCK_T], 1.0, tl.float32)
@@ -89,7 +96,7 @@ def bank_aggregate_kernel(
 @row_tiles(key=["D", "OUT_NORM", "DTYPE"], restore_value=["prefix"])
 @triton.jit
 def bank_merge_kernel(
-    m_in, z_in, u_in, prefix, output, c, out_weight, out, N, prefix_stride, eps, out_eps,
+    m_in, z_in, u_in, prefix, output, query, gain, out_weight, out, N, prefix_stride, eps, out_eps,
     D: tl.constexpr, D_PAD: tl.constexpr, HAS_OUTPUT: tl.constexpr, OUT_NORM: tl.constexpr, DTYPE: tl.constexpr,
     TILE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -97,7 +104,7 @@ def bank_merge_kernel(
 
     p = pending_add(prefix + (rows * prefix_stride)[:, None] + cols[None, :], output, offsets, mask, HAS_OUTPUT, DTYPE)
     x = p.to(tl.float32)
-    _, s = score_source(x, tl.load(c + cols, mask=col_ok, other=0.0), eps, D)
+    _, s = score_source(x, fold(query, gain, cols, col_ok), eps, D)
     # merge (m, z, u) of the bank rows with (s, 1, x) of the prefix; masked tokens get m = 0, harmless
     m = tl.load(m_in + rows, mask=row_ok, other=0.0)
     top = tl.maximum(m, s)
@@ -119,13 +126,14 @@ def _check_limits(prefix: torch.Tensor) -> tuple[int, int]:
     return n, d
 
 
-def triton_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, out_eps, write):
+def triton_bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, write):
     """Kernel of `bank_aggregate`: the whole point in one launch."""
     n, d = _check_limits(prefix)
     out = torch.empty((n, d), dtype=prefix.dtype, device=prefix.device)
     if n > 0:
         bank_aggregate_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_T"]),)](
-            bank, prefix, contiguous_or_none(output), c.float().contiguous(), contiguous_or_none(out_norm_weight), out,
+            bank, prefix, contiguous_or_none(output), query.contiguous(), gain.contiguous(),
+            contiguous_or_none(out_norm_weight), out,
             n, nvb, bank.stride(0), bank.stride(1), prefix.stride(0), eps, out_eps,
             D=d, D_PAD=padded_width(d), HAS_OUTPUT=output is not None, WRITE=write,
             OUT_NORM=out_norm_weight is not None, DTYPE=TORCH_TO_TRITON[prefix.dtype],
@@ -133,15 +141,15 @@ def triton_bank_aggregate(bank, nvb, prefix, output, c, out_norm_weight, eps, ou
     return out
 
 
-def triton_bank_merge(m, z, u, prefix, output, c, out_norm_weight, eps, out_eps):
+def triton_bank_merge(m, z, u, prefix, output, query, gain, out_norm_weight, eps, out_eps):
     """Kernel of `bank_merge`: the whole point in one launch."""
     n, d = _check_limits(prefix)
     out = torch.empty((n, d), dtype=prefix.dtype, device=prefix.device)
     if n > 0:
         stats = (s.float().contiguous() for s in (m, z, u))
         bank_merge_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_T"]),)](
-            *stats, prefix, contiguous_or_none(output), c.float().contiguous(), contiguous_or_none(out_norm_weight),
-            out, n, prefix.stride(0), eps, out_eps,
+            *stats, prefix, contiguous_or_none(output), query.contiguous(), gain.contiguous(),
+            contiguous_or_none(out_norm_weight), out, n, prefix.stride(0), eps, out_eps,
             D=d, D_PAD=padded_width(d), HAS_OUTPUT=output is not None, OUT_NORM=out_norm_weight is not None,
             DTYPE=TORCH_TO_TRITON[prefix.dtype],
         )
