@@ -34,7 +34,7 @@ from torch import nn
 from attnres.layers.depth_attention import DepthAttention, stacked_weights, weight_of
 from attnres.ops import depth_stats, merge_prefix, merge_sources
 from attnres.ops.registry import PORTABLE, backend_for
-from attnres.ops.two_phase import SoftmaxStats, split_stats
+from attnres.ops.two_phase import SoftmaxStats, depth_stats_per_query
 
 
 def without_autograd(fn, *args):
@@ -280,7 +280,7 @@ class FullResidual(Residual):
         while stop < min(point + self.group, len(self.points)) and self.points[stop].eps == eps:
             stop += 1
         queries, gains = stacked_weights([self.points[k] for k in range(point, stop)])
-        return point, stop, split_stats(depth_stats(sources, queries, gains, eps=eps))
+        return point, stop, depth_stats_per_query(sources, queries, gains, eps=eps)
 
     def _merge_sources(self, point, stats, sources, norm) -> torch.Tensor:
         """Phase 2: this point's phase-1 statistics merged with the sources written since its group's first point."""

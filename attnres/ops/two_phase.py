@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from attnres.ops.checks import check_depth_stats, check_eps, check_vector
-from attnres.ops.depth_attention import accumulator_dtype, flat_tokens, rms_normalize
+from attnres.ops.depth_attention import accumulator_dtype, flat_tokens, rms_normalize, takes_kernels_directly
 from attnres.ops.registry import kernel, portable
 
 
@@ -71,6 +72,20 @@ def torch_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, eps):
         dcs += coef @ xf
         grads.append(dx.to(x.dtype).reshape(x.shape))
     return grads, dcs
+
+
+@portable("depth_stats_bwd_rows")
+def stacked_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, eps):
+    """Kernel of `depth_stats_bwd_rows` where a backend has none: the S rows of grad_u (`[N, d]` each, None for zeros)
+    stacked for the backend's `depth_stats_bwd`."""
+    N, d = m.shape[1], cs.shape[1]
+    zeros = None
+    rows = []
+    for g in grad_u:
+        if g is None:
+            zeros = cs.new_zeros(N, d) if zeros is None else zeros
+        rows.append(zeros if g is None else g.reshape(N, d).to(cs.dtype))
+    return _phase1_kernel("depth_stats_bwd", sources, cs)(grad_z, torch.stack(rows), sources, cs, m, rstd, eps)
 
 
 # The two ops below are the contract every backend's kernels keep (registry keys "depth_stats_fwd" and
@@ -197,6 +212,50 @@ def split_stats(stats: SoftmaxStats) -> list[SoftmaxStats]:
     S = stats.u.shape[0]
     rows = _PerQuery.apply(stats.z, stats.u)
     return [SoftmaxStats(stats.m[q], rows[q], rows[S + q]) for q in range(S)]
+
+
+class _StatsPerQuery(torch.autograd.Function):
+    """Phase 1 with each query's z and u as outputs of their own, eagerly on plain tensors: its backward hands the
+    kernel each query's gradient where autograd left it (`depth_stats_bwd_rows`), not stacked into one `[S, N, d]`
+    copy (`split_stats`' way, which the custom ops need)."""
+
+    @staticmethod
+    def forward(ctx, cs, eps, lead, *sources):
+        m, z, u, rstd = _phase1_kernel("depth_stats_fwd", sources, cs)(list(sources), cs, eps)
+        ctx.save_for_backward(cs, m, rstd, *sources)
+        ctx.eps = eps
+        ctx.set_materialize_grads(False)
+        shift = m.reshape(lead)
+        ctx.mark_non_differentiable(shift)  # a stop-gradient shift, as depth_stats' m
+        return (shift, *z.reshape(lead).unbind(0), *u.reshape(*lead, cs.shape[1]).unbind(0))
+
+    @staticmethod
+    @once_differentiable  # the kernels are not differentiable: a second derivative raises instead of missing terms
+    def backward(ctx, grad_m, *grads):
+        cs, m, rstd, *sources = ctx.saved_tensors
+        S = cs.shape[0]
+        grad_z = torch.stack([torch.zeros_like(m[q]) if g is None else g.reshape(m[q].shape)
+                              for q, g in enumerate(grads[:S])])
+        bwd = _phase1_kernel("depth_stats_bwd_rows", sources, cs)
+        source_grads, dcs = bwd(grad_z, list(grads[S:]), sources, cs, m, rstd, ctx.eps)
+        return dcs, None, None, *source_grads
+
+
+def depth_stats_per_query(
+    sources: Sequence[torch.Tensor], queries: torch.Tensor, key_norm_weights: torch.Tensor | None = None, *,
+    eps: float = 1e-6,
+) -> list[SoftmaxStats]:
+    """`split_stats(depth_stats(...))`, the statistics of each of the S queries (m, z `[...]`, u `[..., d]`), with the
+    same values and gradients. Eagerly on plain tensors the S queries' gradients reach the kernel as they are (no
+    `[S, ..., d]` stack in the backward)."""
+    xs, eps = check_depth_stats(sources, queries, key_norm_weights, eps)
+    if not takes_kernels_directly(xs[0]):
+        return split_stats(depth_stats(xs, queries, key_norm_weights, eps=eps))
+    acc = accumulator_dtype(xs[0].dtype)
+    cs = queries.to(acc) if key_norm_weights is None else queries.to(acc) * key_norm_weights.to(acc)
+    S = queries.shape[0]
+    m, *rows = _StatsPerQuery.apply(cs, eps, (S, *xs[0].shape[:-1]), *xs)
+    return [SoftmaxStats(m[q], rows[q], rows[S + q]) for q in range(S)]
 
 
 def merge_stats(a: SoftmaxStats, b: SoftmaxStats) -> SoftmaxStats:

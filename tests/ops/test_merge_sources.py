@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from attnres.ops import SoftmaxStats, depth_attention, depth_stats, merge_sources
 from attnres.ops import registry
 from attnres.ops.cpu import available as cpu_kernel_available
-from attnres.ops.two_phase import split_stats
+from attnres.ops.two_phase import depth_stats_per_query, split_stats
 from tests import TOL, assert_all_close, leaves
 
 EPS, OUT_EPS = 1e-6, 1e-5
@@ -66,6 +66,34 @@ def test_split_stats_gives_the_gradients_of_indexing():
     loss_b = sum((indexed.u[q] * g).sum() + indexed.z[q].sum() for q, g in zip(range(2), grads))
     for ga, gb in zip(torch.autograd.grad(loss_a, a), torch.autograd.grad(loss_b, b)):
         torch.testing.assert_close(ga, gb)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_depth_stats_per_query_is_split_stats_bit_for_bit(monkeypatch, cpu_kernel_calls, backend, dtype):
+    """The eager phase 1 of a group (each query's gradient handed to the kernel where it lies) against
+    `split_stats(depth_stats(...))` (stacked): values and gradients, with one query unused and one query's z unused;
+    sources `[2, 3, d]`, queries with their gains."""
+    monkeypatch.setenv(registry.BACKEND_ENV, backend)
+    g = torch.Generator().manual_seed(3)
+    d = 40
+    xs = [(3 * torch.randn(2, 3, d, generator=g)).to(dtype) for _ in range(5)]
+    queries, gains = 0.3 * torch.randn(4, d, generator=g), torch.rand(4, d, generator=g) + 0.5
+    cotangents = [torch.randn(2, 3, d, generator=g) for _ in range(4)]
+
+    def run(stats_of):
+        ins = leaves(*xs, queries, gains)
+        stats = stats_of(ins[:5], ins[5], ins[6])
+        loss = sum((s.u * t).sum() for s, t in zip(stats[:3], cotangents)) + stats[0].z.sum() + stats[2].z.sum()
+        return [*(t for s in stats for t in s), *torch.autograd.grad(loss, ins)]
+
+    per_query = run(lambda x, q, w: depth_stats_per_query(x, q, w, eps=EPS))
+    kernels = list(cpu_kernel_calls)
+    stacked = run(lambda x, q, w: split_stats(depth_stats(x, q, w, eps=EPS)))
+    cpu = backend == "auto" and dtype != torch.float64 and cpu_kernel_available()
+    assert kernels == (["depth_stats_fwd", "depth_stats_bwd_rows"] if cpu else [])
+    for k, (a, b) in enumerate(zip(per_query, stacked)):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), k
 
 
 @pytest.mark.skipif(not cpu_kernel_available(), reason="the CPU kernel could not be built here")

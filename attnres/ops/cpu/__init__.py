@@ -123,6 +123,12 @@ def cpu_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, eps):
     return list(grads), dcs
 
 
+def cpu_depth_stats_bwd_rows(grad_z, grad_u, sources, cs, m, rstd, eps):
+    """Kernel of `depth_stats_bwd_rows`: each query's grad_u read where it lies."""
+    grads, dcs = _ops().depth_stats_bwd_rows(grad_z, grad_u, sources, cs, m, rstd)
+    return list(grads), dcs
+
+
 def cpu_bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, write):
     """Kernel of `attnres.ops.bank.bank_aggregate`, the whole point (the query's fold too) in one call."""
     return _ops().bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, bool(write))
@@ -158,6 +164,7 @@ KERNELS = Backend("cpu", {
     "chained_point": cpu_chained_point,
     "depth_stats_fwd": cpu_depth_stats_fwd,
     "depth_stats_bwd": cpu_depth_stats_bwd,
+    "depth_stats_bwd_rows": cpu_depth_stats_bwd_rows,
     "merge_sources_fwd": cpu_merge_sources_fwd,
     "merge_sources_bwd": cpu_merge_sources_bwd,
     "bank_aggregate": validated(check_bank_aggregate, cpu_bank_aggregate),

@@ -1083,7 +1083,7 @@ void stats_forward_kernel(const std::vector<Rows<const typename K::raw>>& src, c
 // R source rows with the 2S rows gu_q and c_q, the dx_j as weighted sums of those 2S rows, and dc as weighted sums
 // of the source rows.
 template <class K>
-void stats_backward_kernel(const typename K::acc* grad_z, Rows<const typename K::acc> grad_u,
+void stats_backward_kernel(const typename K::acc* grad_z, const std::vector<Rows<const typename K::acc>>& grad_u,
                            const std::vector<Rows<const typename K::raw>>& src, const typename K::acc* cs,
                            int64_t n_q, const typename K::acc* m, const typename K::acc* rstd, int64_t n_tok,
                            int64_t d, const std::vector<typename K::raw*>& grads, typename K::acc* dcs) {
@@ -1103,7 +1103,7 @@ void stats_backward_kernel(const typename K::acc* grad_z, Rows<const typename K:
     for (int64_t q = 0; q < n_q; ++q) y[n_q + q] = cs + q * d;
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t j = 0; j < n_src; ++j) x[j] = src[j][n];
-      for (int64_t q = 0; q < n_q; ++q) y[q] = grad_u[q * n_tok + n];
+      for (int64_t q = 0; q < n_q; ++q) y[q] = grad_u[q][n];
       dot_tiles<K>(x.data(), n_src, y.data(), n_y, d, dots.data(), n_y);
       for (int64_t j = 0; j < n_src; ++j) {
         const A r = rstd[j * n_tok + n];
@@ -1770,25 +1770,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_stats_fwd(at::T
   return {m, z, u, rstd};
 }
 
-std::tuple<std::vector<at::Tensor>, at::Tensor> depth_stats_bwd(const at::Tensor& grad_z, const at::Tensor& grad_u,
-                                                                at::TensorList sources, const at::Tensor& cs,
-                                                                const at::Tensor& m, const at::Tensor& rstd) {
+// Phase 1's backward with grad_u as S rows `[N, d]` (each query's, read in place; an absent one is zeros), or as
+// the `[S, N, d]` tensor of depth_stats_bwd: a group of Full points hands each query's gradient on as its own tensor
+// (attnres/ops/two_phase.py, depth_stats_per_query), which a stack would copy.
+std::tuple<std::vector<at::Tensor>, at::Tensor> stats_backward(const at::Tensor& grad_z,
+                                                               const std::vector<std::optional<at::Tensor>>& grad_u,
+                                                               at::TensorList sources, const at::Tensor& cs,
+                                                               const at::Tensor& m, const at::Tensor& rstd) {
   Problem p(sources);
   auto c = p.queries(cs);
   const int64_t n_q = c.size(0);
-  TORCH_CHECK(grad_u.numel() == n_q * p.n_tok * p.d, "attnres_cpu: expected grad_u [S, N, d]");
+  TORCH_CHECK(int64_t(grad_u.size()) == n_q, "attnres_cpu: expected grad_u for each of the ", n_q, " queries");
   auto gz = p.rows(grad_z, n_q), mv = p.rows(m, n_q), r = p.rows(rstd, p.n_src);
-  auto gu = as_rows(grad_u.to(p.acc), n_q * p.n_tok, p.d);
+  std::vector<at::Tensor> gu(n_q);
+  for (int64_t q = 0; q < n_q; ++q) {
+    if (!grad_u[q]) continue;
+    TORCH_CHECK(grad_u[q]->numel() == p.n_tok * p.d, "attnres_cpu: expected grad_u rows [N, d]");
+    gu[q] = as_rows(grad_u[q]->to(p.acc), p.n_tok, p.d);
+  }
   auto grads = p.new_sources();
   auto dcs = at::zeros_like(c);
   dispatch(p.dtype, [&](auto k) {
     using K = decltype(k);
     using A = typename K::acc;
     using R = typename K::raw;
-    stats_backward_kernel<K>(gz.data_ptr<A>(), rows_of<const A>(gu), p.source_rows<R>(), c.data_ptr<A>(), n_q,
-                             mv.data_ptr<A>(), r.data_ptr<A>(), p.n_tok, p.d, pointers<R>(grads), dcs.data_ptr<A>());
+    const std::vector<A> zeros(p.d, A(0));
+    std::vector<Rows<const A>> rows(n_q, Rows<const A>{zeros.data(), 0});  // stride 0: the zero row for every token
+    for (int64_t q = 0; q < n_q; ++q)
+      if (gu[q].defined()) rows[q] = rows_of<const A>(gu[q]);
+    stats_backward_kernel<K>(gz.data_ptr<A>(), rows, p.source_rows<R>(), c.data_ptr<A>(), n_q, mv.data_ptr<A>(),
+                             r.data_ptr<A>(), p.n_tok, p.d, pointers<R>(grads), dcs.data_ptr<A>());
   });
   return {grads, dcs};
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> depth_stats_bwd(const at::Tensor& grad_z, const at::Tensor& grad_u,
+                                                                at::TensorList sources, const at::Tensor& cs,
+                                                                const at::Tensor& m, const at::Tensor& rstd) {
+  const int64_t n_q = cs.size(0);
+  TORCH_CHECK(n_q > 0 && grad_u.numel() % n_q == 0 && grad_u.size(0) == n_q, "attnres_cpu: expected grad_u [S, N, d]");
+  const auto parts = grad_u.unbind(0);
+  return stats_backward(grad_z, std::vector<std::optional<at::Tensor>>(parts.begin(), parts.end()), sources, cs, m,
+                        rstd);
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> depth_stats_bwd_rows(
+    const at::Tensor& grad_z, const c10::List<std::optional<at::Tensor>>& grad_u, at::TensorList sources,
+    const at::Tensor& cs, const at::Tensor& m, const at::Tensor& rstd) {
+  std::vector<std::optional<at::Tensor>> rows(grad_u.begin(), grad_u.end());
+  return stats_backward(grad_z, rows, sources, cs, m, rstd);
 }
 
 // Host side of the bank ops: the Python layer (attnres/ops/bank.py) has validated every argument, so this only takes
@@ -1995,6 +2025,8 @@ TORCH_LIBRARY(attnres_cpu, m) {
   m.def("depth_stats_fwd(Tensor[] sources, Tensor cs, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("depth_stats_bwd(Tensor grad_z, Tensor grad_u, Tensor[] sources, Tensor cs, Tensor m, Tensor rstd)"
         " -> (Tensor[], Tensor)");
+  m.def("depth_stats_bwd_rows(Tensor grad_z, Tensor?[] grad_u, Tensor[] sources, Tensor cs, Tensor m, Tensor rstd)"
+        " -> (Tensor[], Tensor)");
   m.def("bank_aggregate(Tensor(a!) bank, int nvb, Tensor(b!) prefix, Tensor? output, Tensor query, Tensor gain,"
         " Tensor? out_norm_weight, float eps, float out_eps, bool write) -> Tensor");
   m.def("bank_merge(Tensor m, Tensor z, Tensor u, Tensor(a!) prefix, Tensor? output, Tensor query, Tensor gain,"
@@ -2016,6 +2048,7 @@ TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("chained_point", &chained_point);
   m.impl("depth_stats_fwd", &depth_stats_fwd);
   m.impl("depth_stats_bwd", &depth_stats_bwd);
+  m.impl("depth_stats_bwd_rows", &depth_stats_bwd_rows);
   m.impl("bank_aggregate", &bank_aggregate);
   m.impl("bank_merge", &bank_merge);
   m.impl("merge_sources_fwd", &merge_sources_fwd);
