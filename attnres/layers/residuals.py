@@ -68,9 +68,10 @@ class ResidualState(NamedTuple):
     rows: Block: the completed block summaries (the bank); Full: every source so far; standard: none.
     head: standard: the residual sum; Block: the current block's partial sum (the prefix; None right after a write
         point, until the next write starts it); Full: None.
-    carrier: Full in training: the last point's carrier (`attnres.ops.chain`), through which the next points hand the
-        gradients of the earlier sources back. Optional: a state rebuilt without it (a pipeline stage's input) starts
-        a new chain, with the same gradients.
+    carrier: Full in training: the last point's carrier (`attnres.ops.chain`), or in phase-1 groups the last group's
+        phase-1 carrier (`depth_stats_per_query`), through which the later points or groups hand the gradients of the
+        earlier sources back. Optional: a state rebuilt without it (a pipeline stage's input) starts a new chain, with
+        the same gradients.
     stats: the phase-1 statistics of the points `range(start, stop)`, as `(start, stop, SoftmaxStats)`, from the first
         of them to the last (docs/design.md section 4). Block: over `rows`, never handed to the next layer; Full: over
         the sources before `start`'s, handed on until the group's last point.
@@ -228,8 +229,9 @@ class FullResidual(Residual):
     place, once, instead of written by every later point and added up by autograd. Recording reads break the chain.
 
     With `group` G > 1 the points are taken G at a time (docs/design.md section 4): at a group's first point, phase 1
-    scores the sources so far for all G points in one pass (`depth_stats`), and each point of the group then merges in
-    only the sources written since (`merge_sources`). Point l then reads about l / G + G / 2 rows instead of l + 1,
+    scores the sources so far for all G points in one pass (`depth_stats_per_query`; the groups' phase 1 a chain that
+    sums each source's phase-1 gradients in place), and each point of the group then merges in only the sources
+    written since (`merge_sources`). Point l then reads about l / G + G / 2 rows instead of l + 1,
     forward and backward, and keeps its u (`[N, d]` fp32) for the backward. A group reads the weights of G points
     from its first: not for FSDP2 (each layer's weights gathered for its own forward only) or a pipeline stage.
     `group=None` chooses: `FULL_GROUP` points where the chain would run and the backend compiles both phases'
@@ -258,10 +260,11 @@ class FullResidual(Residual):
         if self.group is None:
             self.group = FULL_GROUP if full_groups_pay(sources[0], len(self.points)) else 0
         if self.group > 1 and (stats is None or not stats[0] <= point < stats[1]):
-            stats = self._score(sources, point)
+            stats, carrier = self._score(sources, point, state.carrier)
+            state = state._replace(carrier=carrier)
         if stats is not None:
             out = self._merge_sources(point, stats, sources, norm)
-            state = ResidualState(sources, stats=None if point + 1 == stats[1] else stats)
+            state = ResidualState(sources, carrier=state.carrier, stats=None if point + 1 == stats[1] else stats)
         elif self.chain:
             out, carrier = self.points[point].chained(sources, state.carrier, norm, out_eps=self._out_eps(norm, R))
             state = state._replace(carrier=carrier)
@@ -272,15 +275,17 @@ class FullResidual(Residual):
     def write(self, state, output):
         return ResidualState((*state.rows, output), None, state.carrier, state.stats)
 
-    def _score(self, sources: tuple[torch.Tensor, ...], point: int) -> tuple[int, int, list[SoftmaxStats]]:
+    def _score(self, sources: tuple[torch.Tensor, ...], point: int, carrier: torch.Tensor | None):
         """Phase 1 of the group that starts at `point`: its points (up to G, with the first one's key eps) against
-        the sources so far."""
+        the sources so far, as the next link of the groups' chain (`depth_stats_per_query`): ((start, stop, the
+        statistics), the carrier)."""
         eps = self.points[point].eps
         stop = point + 1
         while stop < min(point + self.group, len(self.points)) and self.points[stop].eps == eps:
             stop += 1
         queries, gains = stacked_weights([self.points[k] for k in range(point, stop)])
-        return point, stop, depth_stats_per_query(sources, queries, gains, eps=eps)
+        stats, carrier = depth_stats_per_query(sources, queries, gains, eps=eps, carrier=carrier)
+        return (point, stop, stats), carrier
 
     def _merge_sources(self, point, stats, sources, norm) -> torch.Tensor:
         """Phase 2: this point's phase-1 statistics merged with the sources written since its group's first point."""

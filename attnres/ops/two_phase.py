@@ -214,48 +214,92 @@ def split_stats(stats: SoftmaxStats) -> list[SoftmaxStats]:
     return [SoftmaxStats(stats.m[q], rows[q], rows[S + q]) for q in range(S)]
 
 
-class _StatsPerQuery(torch.autograd.Function):
-    """Phase 1 with each query's z and u as outputs of their own, eagerly on plain tensors: its backward hands the
-    kernel each query's gradient where autograd left it (`depth_stats_bwd_rows`), not stacked into one `[S, N, d]`
-    copy (`split_stats`' way, which the custom ops need)."""
+class _ChainedStats(torch.autograd.Function):
+    """Phase 1 of a group of Full points, eagerly on plain tensors, as a link of a chain over the groups (as
+    `attnres.ops.chain` chains points): each query's z and u are outputs of their own, whose gradients reach the
+    kernel where autograd left them (no `[S, ..., d]` stack), and the source gradients of every later group's phase 1
+    are summed in place in one buffer. The carrier a link returns is a zero-stride placeholder shaped like its R
+    sources; its gradient is that buffer, which the link adds its own gradients into (`depth_stats_bwd_into`), then
+    returns the rows of the sources it tracks (those new since the previous link: complete, no later phase 1 adds to
+    them) and hands the rest back as the previous carrier's gradient. A link that starts a chain tracks every source."""
 
     @staticmethod
-    def forward(ctx, cs, eps, lead, *sources):
-        m, z, u, rstd = _phase1_kernel("depth_stats_fwd", sources, cs)(list(sources), cs, eps)
+    def forward(ctx, carrier, cs, eps, lead, older, *tracked):
+        sources = [*older, *tracked]
+        m, z, u, rstd = _phase1_kernel("depth_stats_fwd", sources, cs)(sources, cs, eps)
         ctx.save_for_backward(cs, m, rstd, *sources)
-        ctx.eps = eps
-        ctx.set_materialize_grads(False)
+        ctx.eps, ctx.older = eps, len(older)
+        ctx.set_materialize_grads(False)  # an unused carrier ends the chain: no zero buffer for it
         shift = m.reshape(lead)
         ctx.mark_non_differentiable(shift)  # a stop-gradient shift, as depth_stats' m
-        return (shift, *z.reshape(lead).unbind(0), *u.reshape(*lead, cs.shape[1]).unbind(0))
+        x = sources[0]
+        placeholder = torch.empty_strided((len(sources), *x.shape), (0,) * (x.dim() + 1), dtype=x.dtype,
+                                          device=x.device)
+        return shift, *z.reshape(lead).unbind(0), *u.reshape(*lead, cs.shape[1]).unbind(0), placeholder
 
     @staticmethod
     @once_differentiable  # the kernels are not differentiable: a second derivative raises instead of missing terms
     def backward(ctx, grad_m, *grads):
         cs, m, rstd, *sources = ctx.saved_tensors
-        S = cs.shape[0]
+        S, x, grad_carrier = cs.shape[0], sources[0], grads[-1]
         grad_z = torch.stack([torch.zeros_like(m[q]) if g is None else g.reshape(m[q].shape)
                               for q, g in enumerate(grads[:S])])
-        bwd = _phase1_kernel("depth_stats_bwd_rows", sources, cs)
-        source_grads, dcs = bwd(grad_z, list(grads[S:]), sources, cs, m, rstd, ctx.eps)
-        return dcs, None, None, *source_grads
+        accumulate = grad_carrier is not None
+        if accumulate:  # the later links' sums, added onto in place; anything but a contiguous buffer is copied first
+            into = grad_carrier if grad_carrier.is_contiguous() else grad_carrier.contiguous()
+        else:
+            into = torch.empty((len(sources), *x.shape), dtype=x.dtype, device=x.device)
+        bwd = _phase1_kernel("depth_stats_bwd_into", sources, cs)
+        dcs = bwd(grad_z, list(grads[S:2 * S]), sources, cs, m, rstd, ctx.eps, into, accumulate)
+        back = into[: ctx.older] if ctx.older else None
+        return back, dcs, None, None, None, *into[ctx.older:].unbind(0)
+
+
+@portable("depth_stats_bwd_into")
+def added_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, eps, into, accumulate):
+    """Kernel of `depth_stats_bwd_into` where a backend has none: its `depth_stats_bwd_rows`, then each source's
+    gradient written, or added, into its row of `into`. Returns dcs."""
+    grads, dcs = _phase1_kernel("depth_stats_bwd_rows", sources, cs)(grad_z, grad_u, sources, cs, m, rstd, eps)
+    for row, grad in zip(into.unbind(0), grads):
+        row.add_(grad.reshape(row.shape)) if accumulate else row.copy_(grad.reshape(row.shape))
+    return dcs
+
+
+def check_stats_carrier(carrier: torch.Tensor | None, sources: list[torch.Tensor]) -> None:
+    """A phase-1 carrier continues a chain: made by an earlier group's phase 1 over fewer of these sources."""
+    if carrier is None:
+        return
+    x = sources[0]
+    if not isinstance(carrier, torch.Tensor) or carrier.dim() != x.dim() + 1 or carrier.shape[1:] != x.shape or not (
+        0 < carrier.shape[0] < len(sources)
+    ):
+        got = tuple(carrier.shape) if isinstance(carrier, torch.Tensor) else type(carrier).__name__
+        raise ValueError(f"carrier: expected an earlier phase 1's carrier, [R' < {len(sources)}, *{tuple(x.shape)}], "
+                         f"got {got}")
+    if carrier.dtype != x.dtype or carrier.device != x.device:
+        raise ValueError(f"carrier: expected the sources' dtype and device ({x.dtype}, {x.device}), got "
+                         f"{carrier.dtype}, {carrier.device}")
 
 
 def depth_stats_per_query(
     sources: Sequence[torch.Tensor], queries: torch.Tensor, key_norm_weights: torch.Tensor | None = None, *,
-    eps: float = 1e-6,
-) -> list[SoftmaxStats]:
+    eps: float = 1e-6, carrier: torch.Tensor | None = None,
+) -> tuple[list[SoftmaxStats], torch.Tensor | None]:
     """`split_stats(depth_stats(...))`, the statistics of each of the S queries (m, z `[...]`, u `[..., d]`), with the
-    same values and gradients. Eagerly on plain tensors the S queries' gradients reach the kernel as they are (no
-    `[S, ..., d]` stack in the backward)."""
+    same values and gradients, and a carrier for the next group's phase 1 (`carrier`: the previous group's, or None to
+    start a chain). Eagerly on plain tensors the groups' phase 1 form a chain (`_ChainedStats`: each source's phase-1
+    gradients summed in place, each query's gradient read where it lies); traced, the custom ops run and the carrier
+    is None."""
     xs, eps = check_depth_stats(sources, queries, key_norm_weights, eps)
     if not takes_kernels_directly(xs[0]):
-        return split_stats(depth_stats(xs, queries, key_norm_weights, eps=eps))
+        return split_stats(depth_stats(xs, queries, key_norm_weights, eps=eps)), None
+    check_stats_carrier(carrier, xs)
     acc = accumulator_dtype(xs[0].dtype)
     cs = queries.to(acc) if key_norm_weights is None else queries.to(acc) * key_norm_weights.to(acc)
     S = queries.shape[0]
-    m, *rows = _StatsPerQuery.apply(cs, eps, (S, *xs[0].shape[:-1]), *xs)
-    return [SoftmaxStats(m[q], rows[q], rows[S + q]) for q in range(S)]
+    older = 0 if carrier is None else carrier.shape[0]
+    m, *rows, carrier = _ChainedStats.apply(carrier, cs, eps, (S, *xs[0].shape[:-1]), tuple(xs[:older]), *xs[older:])
+    return [SoftmaxStats(m[q], rows[q], rows[S + q]) for q in range(S)], carrier
 
 
 def merge_stats(a: SoftmaxStats, b: SoftmaxStats) -> SoftmaxStats:

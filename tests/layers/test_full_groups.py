@@ -77,9 +77,9 @@ def test_a_group_ends_where_the_key_eps_changes_and_at_the_last_point():
     points = model(torch.float64, eps=lambda k: 1e-6 if k < 3 else 1e-5)[0]
     residual = FullResidual(L, points, group=4)
     sources = (torch.randn(N, D, dtype=torch.float64),)
-    assert residual._score(sources, 0)[:2] == (0, 3)
-    assert residual._score(sources, 3)[:2] == (3, 7)
-    assert residual._score(sources, 7)[:2] == (7, 2 * L + 1)
+    assert residual._score(sources, 0, None)[0][:2] == (0, 3)
+    assert residual._score(sources, 3, None)[0][:2] == (3, 7)
+    assert residual._score(sources, 7, None)[0][:2] == (7, 2 * L + 1)
 
 
 @pytest.mark.parametrize("group", [-1, 2.5, True, "4"])

@@ -12,7 +12,7 @@ from attnres.ops import SoftmaxStats, depth_attention, depth_stats, merge_source
 from attnres.ops import registry
 from attnres.ops.cpu import available as cpu_kernel_available
 from attnres.ops.two_phase import depth_stats_per_query, split_stats
-from tests import TOL, assert_all_close, leaves
+from tests import TOL, assert_all_close, assert_close, error_ratios, leaves
 
 EPS, OUT_EPS = 1e-6, 1e-5
 
@@ -70,30 +70,57 @@ def test_split_stats_gives_the_gradients_of_indexing():
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-def test_depth_stats_per_query_is_split_stats_bit_for_bit(monkeypatch, cpu_kernel_calls, backend, dtype):
-    """The eager phase 1 of a group (each query's gradient handed to the kernel where it lies) against
-    `split_stats(depth_stats(...))` (stacked): values and gradients, with one query unused and one query's z unused;
-    sources `[2, 3, d]`, queries with their gains."""
+def test_chained_phase_1_is_split_stats(monkeypatch, cpu_kernel_calls, backend, dtype):
+    """Two groups' phase 1 as a chain (`depth_stats_per_query`: the second over two more sources, taking the first's
+    carrier; each query's gradient read where it lies) against `split_stats(depth_stats(...))` for each: values bit for
+    bit, and gradients too where the sums round alike. In bf16 the CPU kernel rounds each source's running sum once,
+    where autograd rounds each group's gradient and then their sum: there each gradient is checked against float64, at
+    least as close as autograd's. One query unused, one query's z unused; sources `[2, 3, d]`, queries with gains."""
     monkeypatch.setenv(registry.BACKEND_ENV, backend)
     g = torch.Generator().manual_seed(3)
     d = 40
     xs = [(3 * torch.randn(2, 3, d, generator=g)).to(dtype) for _ in range(5)]
-    queries, gains = 0.3 * torch.randn(4, d, generator=g), torch.rand(4, d, generator=g) + 0.5
-    cotangents = [torch.randn(2, 3, d, generator=g) for _ in range(4)]
+    queries, gains = 0.3 * torch.randn(6, d, generator=g), torch.rand(6, d, generator=g) + 0.5
+    cotangents = [torch.randn(2, 3, d, generator=g) for _ in range(6)]
 
-    def run(stats_of):
-        ins = leaves(*xs, queries, gains)
-        stats = stats_of(ins[:5], ins[5], ins[6])
-        loss = sum((s.u * t).sum() for s, t in zip(stats[:3], cotangents)) + stats[0].z.sum() + stats[2].z.sum()
+    def run(chained: bool, sources=xs, weights=(queries, gains)):
+        ins = leaves(*sources, *weights)
+        q, w = ins[5:]
+        if chained:
+            first, carrier = depth_stats_per_query(ins[:3], q[:3], w[:3], eps=EPS)
+            second, _ = depth_stats_per_query(ins[:5], q[3:], w[3:], eps=EPS, carrier=carrier)
+        else:
+            first = split_stats(depth_stats(ins[:3], q[:3], w[:3], eps=EPS))
+            second = split_stats(depth_stats(ins[:5], q[3:], w[3:], eps=EPS))
+        stats = [*first[:2], *second]  # the third query unused
+        loss = sum((s.u * t.to(s.u.dtype)).sum() for s, t in zip(stats, cotangents))
+        loss = loss + stats[0].z.sum() + stats[3].z.sum()
         return [*(t for s in stats for t in s), *torch.autograd.grad(loss, ins)]
 
-    per_query = run(lambda x, q, w: depth_stats_per_query(x, q, w, eps=EPS))
+    chained = run(True)
     kernels = list(cpu_kernel_calls)
-    stacked = run(lambda x, q, w: split_stats(depth_stats(x, q, w, eps=EPS)))
+    stacked = run(False)
     cpu = backend == "auto" and dtype != torch.float64 and cpu_kernel_available()
-    assert kernels == (["depth_stats_fwd", "depth_stats_bwd_rows"] if cpu else [])
-    for k, (a, b) in enumerate(zip(per_query, stacked)):
-        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), k
+    assert kernels == (["depth_stats_fwd"] * 2 + ["depth_stats_bwd_into"] * 2 if cpu else [])
+    values = 5 * 3
+    rounds_once = dtype == torch.bfloat16 and cpu
+    exact = run(False, [x.double() for x in xs], (queries.double(), gains.double())) if rounds_once else None
+    for k, (a, b) in enumerate(zip(chained, stacked)):
+        assert a.shape == b.shape and a.dtype == b.dtype, k
+        if k < values or not rounds_once:
+            assert torch.equal(a, b), k
+        else:
+            assert_close(f"grad {k - values}", exact[k].to(a.dtype), a, TOL[dtype])
+            assert error_ratios(exact[k], a)[0] <= error_ratios(exact[k], b)[0], k
+
+
+def test_a_phase_1_carrier_must_come_from_fewer_sources():
+    xs, query, gain, _ = problem()
+    _, carrier = depth_stats_per_query(xs[:3], query, gain[None], eps=EPS)
+    with pytest.raises(ValueError, match=r"^carrier: expected an earlier phase 1's carrier"):
+        depth_stats_per_query(xs[:3], query, gain[None], eps=EPS, carrier=carrier)
+    with pytest.raises(ValueError, match="^carrier: expected the sources' dtype"):
+        depth_stats_per_query([x.float() for x in xs[:4]], query, gain[None], eps=EPS, carrier=carrier)
 
 
 @pytest.mark.skipif(not cpu_kernel_available(), reason="the CPU kernel could not be built here")

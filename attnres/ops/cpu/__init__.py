@@ -129,6 +129,11 @@ def cpu_depth_stats_bwd_rows(grad_z, grad_u, sources, cs, m, rstd, eps):
     return list(grads), dcs
 
 
+def cpu_depth_stats_bwd_into(grad_z, grad_u, sources, cs, m, rstd, eps, into, accumulate):
+    """Kernel of `depth_stats_bwd_into`: the source gradients written, or added, into `into` in place."""
+    return _ops().depth_stats_bwd_into(grad_z, grad_u, sources, cs, m, rstd, into, accumulate)
+
+
 def cpu_bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, write):
     """Kernel of `attnres.ops.bank.bank_aggregate`, the whole point (the query's fold too) in one call."""
     return _ops().bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, bool(write))
@@ -165,6 +170,7 @@ KERNELS = Backend("cpu", {
     "depth_stats_fwd": cpu_depth_stats_fwd,
     "depth_stats_bwd": cpu_depth_stats_bwd,
     "depth_stats_bwd_rows": cpu_depth_stats_bwd_rows,
+    "depth_stats_bwd_into": cpu_depth_stats_bwd_into,
     "merge_sources_fwd": cpu_merge_sources_fwd,
     "merge_sources_bwd": cpu_merge_sources_bwd,
     "bank_aggregate": validated(check_bank_aggregate, cpu_bank_aggregate),

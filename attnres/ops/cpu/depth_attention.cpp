@@ -1086,7 +1086,8 @@ template <class K>
 void stats_backward_kernel(const typename K::acc* grad_z, const std::vector<Rows<const typename K::acc>>& grad_u,
                            const std::vector<Rows<const typename K::raw>>& src, const typename K::acc* cs,
                            int64_t n_q, const typename K::acc* m, const typename K::acc* rstd, int64_t n_tok,
-                           int64_t d, const std::vector<typename K::raw*>& grads, typename K::acc* dcs) {
+                           int64_t d, const std::vector<typename K::raw*>& grads, bool accumulate,
+                           typename K::acc* dcs) {
   using A = typename K::acc;
   using R = typename K::raw;
   const int64_t n_src = int64_t(src.size()), n_y = 2 * n_q;
@@ -1118,11 +1119,13 @@ void stats_backward_kernel(const typename K::acc* grad_z, const std::vector<Rows
         x_scale[j] = sum * r / A(d);
       }
       mix_tiles<Plain<A>>(y.data(), n_y, dots.data(), n_y, n_src, d, [&](int64_t j, int64_t i, auto v) {
-        R* dst = grads[j] + n * d + i;
+        R* dst = grads[j] + n * d + i;  // accumulate: the sum so far plus this gradient, rounded once
         if constexpr (std::is_same_v<decltype(v), A>) {
-          *dst = K::store(v - x_scale[j] * K::load(x[j][i]));
+          const A dx = v - x_scale[j] * K::load(x[j][i]);
+          *dst = K::store(accumulate ? K::load(*dst) + dx : dx);
         } else {
-          K::vstore(dst, v - splat(x_scale[j]) * K::vload(x[j] + i));
+          const auto dx = v - splat(x_scale[j]) * K::vload(x[j] + i);
+          K::vstore(dst, accumulate ? K::vload(dst) + dx : dx);
         }
       });
       mix_tiles<K>(x.data(), n_src, coef_t.data(), n_src, n_q, d, [&](int64_t q, int64_t i, auto v) {
@@ -1772,12 +1775,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_stats_fwd(at::T
 
 // Phase 1's backward with grad_u as S rows `[N, d]` (each query's, read in place; an absent one is zeros), or as
 // the `[S, N, d]` tensor of depth_stats_bwd: a group of Full points hands each query's gradient on as its own tensor
-// (attnres/ops/two_phase.py, depth_stats_per_query), which a stack would copy.
-std::tuple<std::vector<at::Tensor>, at::Tensor> stats_backward(const at::Tensor& grad_z,
-                                                               const std::vector<std::optional<at::Tensor>>& grad_u,
-                                                               at::TensorList sources, const at::Tensor& cs,
-                                                               const at::Tensor& m, const at::Tensor& rstd) {
-  Problem p(sources);
+// (attnres/ops/two_phase.py, depth_stats_per_query), which a stack would copy. The source gradients go to `grads`
+// (R [N, d] rows, written or, with `accumulate`, added into); returns dcs.
+at::Tensor stats_backward(const Problem& p, const at::Tensor& grad_z, const std::vector<std::optional<at::Tensor>>& grad_u,
+                          const at::Tensor& cs, const at::Tensor& m, const at::Tensor& rstd,
+                          const std::vector<at::Tensor>& grads, bool accumulate) {
   auto c = p.queries(cs);
   const int64_t n_q = c.size(0);
   TORCH_CHECK(int64_t(grad_u.size()) == n_q, "attnres_cpu: expected grad_u for each of the ", n_q, " queries");
@@ -1788,7 +1790,6 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> stats_backward(const at::Tensor&
     TORCH_CHECK(grad_u[q]->numel() == p.n_tok * p.d, "attnres_cpu: expected grad_u rows [N, d]");
     gu[q] = as_rows(grad_u[q]->to(p.acc), p.n_tok, p.d);
   }
-  auto grads = p.new_sources();
   auto dcs = at::zeros_like(c);
   dispatch(p.dtype, [&](auto k) {
     using K = decltype(k);
@@ -1799,26 +1800,47 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> stats_backward(const at::Tensor&
     for (int64_t q = 0; q < n_q; ++q)
       if (gu[q].defined()) rows[q] = rows_of<const A>(gu[q]);
     stats_backward_kernel<K>(gz.data_ptr<A>(), rows, p.source_rows<R>(), c.data_ptr<A>(), n_q, mv.data_ptr<A>(),
-                             r.data_ptr<A>(), p.n_tok, p.d, pointers<R>(grads), dcs.data_ptr<A>());
+                             r.data_ptr<A>(), p.n_tok, p.d, pointers<R>(grads), accumulate, dcs.data_ptr<A>());
   });
-  return {grads, dcs};
+  return dcs;
+}
+
+std::vector<std::optional<at::Tensor>> optional_rows(const c10::List<std::optional<at::Tensor>>& rows) {
+  return {rows.begin(), rows.end()};
 }
 
 std::tuple<std::vector<at::Tensor>, at::Tensor> depth_stats_bwd(const at::Tensor& grad_z, const at::Tensor& grad_u,
                                                                 at::TensorList sources, const at::Tensor& cs,
                                                                 const at::Tensor& m, const at::Tensor& rstd) {
-  const int64_t n_q = cs.size(0);
-  TORCH_CHECK(n_q > 0 && grad_u.numel() % n_q == 0 && grad_u.size(0) == n_q, "attnres_cpu: expected grad_u [S, N, d]");
+  TORCH_CHECK(grad_u.dim() > 0 && grad_u.size(0) == cs.size(0), "attnres_cpu: expected grad_u [S, N, d]");
   const auto parts = grad_u.unbind(0);
-  return stats_backward(grad_z, std::vector<std::optional<at::Tensor>>(parts.begin(), parts.end()), sources, cs, m,
-                        rstd);
+  const std::vector<std::optional<at::Tensor>> rows(parts.begin(), parts.end());
+  Problem p(sources);
+  auto grads = p.new_sources();
+  auto dcs = stats_backward(p, grad_z, rows, cs, m, rstd, grads, false);
+  return {grads, dcs};
 }
 
 std::tuple<std::vector<at::Tensor>, at::Tensor> depth_stats_bwd_rows(
     const at::Tensor& grad_z, const c10::List<std::optional<at::Tensor>>& grad_u, at::TensorList sources,
     const at::Tensor& cs, const at::Tensor& m, const at::Tensor& rstd) {
-  std::vector<std::optional<at::Tensor>> rows(grad_u.begin(), grad_u.end());
-  return stats_backward(grad_z, rows, sources, cs, m, rstd);
+  Problem p(sources);
+  auto grads = p.new_sources();
+  auto dcs = stats_backward(p, grad_z, optional_rows(grad_u), cs, m, rstd, grads, false);
+  return {grads, dcs};
+}
+
+// depth_stats_bwd_rows with the source gradients written (accumulate: added) into `into`: [R, N, d] (any leading
+// dims between), contiguous, the sources' dtype. Returns dcs.
+at::Tensor depth_stats_bwd_into(const at::Tensor& grad_z, const c10::List<std::optional<at::Tensor>>& grad_u,
+                                at::TensorList sources, const at::Tensor& cs, const at::Tensor& m,
+                                const at::Tensor& rstd, const at::Tensor& into, bool accumulate) {
+  Problem p(sources);
+  TORCH_CHECK(into.device().is_cpu() && into.is_contiguous() && into.scalar_type() == p.dtype &&
+                  into.numel() == p.n_src * p.n_tok * p.d,
+              "attnres_cpu: `into` must be a contiguous CPU tensor of R sources' elements in their dtype");
+  const auto grads = into.view({p.n_src, p.n_tok, p.d}).unbind(0);
+  return stats_backward(p, grad_z, optional_rows(grad_u), cs, m, rstd, grads, accumulate);
 }
 
 // Host side of the bank ops: the Python layer (attnres/ops/bank.py) has validated every argument, so this only takes
@@ -2027,6 +2049,8 @@ TORCH_LIBRARY(attnres_cpu, m) {
         " -> (Tensor[], Tensor)");
   m.def("depth_stats_bwd_rows(Tensor grad_z, Tensor?[] grad_u, Tensor[] sources, Tensor cs, Tensor m, Tensor rstd)"
         " -> (Tensor[], Tensor)");
+  m.def("depth_stats_bwd_into(Tensor grad_z, Tensor?[] grad_u, Tensor[] sources, Tensor cs, Tensor m, Tensor rstd,"
+        " Tensor(a!) into, bool accumulate) -> Tensor");
   m.def("bank_aggregate(Tensor(a!) bank, int nvb, Tensor(b!) prefix, Tensor? output, Tensor query, Tensor gain,"
         " Tensor? out_norm_weight, float eps, float out_eps, bool write) -> Tensor");
   m.def("bank_merge(Tensor m, Tensor z, Tensor u, Tensor(a!) prefix, Tensor? output, Tensor query, Tensor gain,"
@@ -2049,6 +2073,7 @@ TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("depth_stats_fwd", &depth_stats_fwd);
   m.impl("depth_stats_bwd", &depth_stats_bwd);
   m.impl("depth_stats_bwd_rows", &depth_stats_bwd_rows);
+  m.impl("depth_stats_bwd_into", &depth_stats_bwd_into);
   m.impl("bank_aggregate", &bank_aggregate);
   m.impl("bank_merge", &bank_merge);
   m.impl("merge_sources_fwd", &merge_sources_fwd);
