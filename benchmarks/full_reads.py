@@ -41,16 +41,16 @@ def reads(points: int, tokens: int, dim: int, dtype: torch.dtype) -> dict:
     point's mixture."""
     gen = torch.Generator().manual_seed(0)
     outputs = [torch.randn(tokens, dim, generator=gen).to(dtype) for _ in range(points)]
-    c, gain = 0.1 * torch.randn(dim, generator=gen), torch.ones(dim)  # the key gain is ones: the query is c
+    c, ones = 0.1 * torch.randn(dim, generator=gen), torch.ones(dim)  # key and output-norm gains: the query is c
     forward, aggregate = kernel("depth_attention_fwd", outputs[0]), kernel("bank_aggregate", outputs[0])
     aggregate = getattr(aggregate, "kernel", aggregate)  # unchecked, as `FullInference` calls it past its first read
 
     def in_place() -> list[torch.Tensor]:
-        return [forward(outputs[: point + 1], c, gain, 1e-6, 1e-6)[0] for point in range(points)]
+        return [forward(outputs[: point + 1], c, ones, 1e-6, 1e-6)[0] for point in range(points)]
 
     def bank() -> list[torch.Tensor]:
         rows = outputs[0].new_empty(tokens, points, dim)
-        return [aggregate(rows, point, outputs[point], None, c, gain, gain, 1e-6, 1e-6, True) for point in range(points)]
+        return [aggregate(rows, k, outputs[k], None, c, ones, ones, 1e-6, 1e-6, True) for k in range(points)]
 
     return {"list": in_place, "bank": bank}
 

@@ -99,7 +99,7 @@ def load_models(source: str | dict, dtype: torch.dtype, device: str, block_size:
         original = LlamaForCausalLM(LlamaConfig(**source)).to(device, dtype)
     else:
         # a deep copy: loaded in its file's dtype, a model's weights stay in the file's memory map, which a CPU decode
-        # step reads 1-2% faster than the memory of every other model's weights
+        # step reads at another speed than the copied weights every other model has
         original = copy.deepcopy(AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device))
     models = {
         ORIGINAL: original,

@@ -26,7 +26,7 @@ import torch
 from attnres.layers.depth_attention import stacked_weights, weight_of
 from attnres.layers.residuals import BlockResidual, ReadsWithoutAutograd
 from attnres.ops.bank import bank_aggregate_op, bank_merge_op, bank_rows
-from attnres.ops.depth_attention import accumulator_dtype, as_dtype, flat_tokens
+from attnres.ops.depth_attention import accumulator_dtype, flat_tokens, fold_queries
 from attnres.ops.registry import kernel
 from attnres.ops.two_phase import depth_stats_fwd
 
@@ -138,6 +138,6 @@ class BlockBank(ReadsWithoutAutograd, BlockResidual):
         if not self.use_two_phase(bank[:, 0], nvb, len(group)):
             return None
         queries, gains = stacked_weights([self.points[k] for k in group])
-        cs = as_dtype(queries, self.acc) * as_dtype(gains, self.acc)
+        cs = fold_queries(queries, gains, self.acc)
         m, z, u, _ = depth_stats_fwd(bank_rows(bank, nvb), cs, self.points[group.start].eps)
         return group.start, group.stop, (m, z, u)

@@ -36,8 +36,8 @@ def make_residual(
     `attn_res_block_size`); `record`: what the reads keep (`Recorder`); `inference` selects the backends without
     autograd: for "block" the fused bank (`attnres.layers.bank`), for "full" direct kernel calls
     (`attnres.layers.full_inference`), unless depth is recorded; `layerwise`: Block's bank scores only a decoder
-    layer's own points in phase 1 (FSDP2 gathers each layer's weights for its own forward); `chain` makes the points of "full"
-    a chain for the backward (`attnres.ops.chain`: the same gradients, summed in place; for eager training);
+    layer's own points in phase 1 (FSDP2 gathers each layer's weights for its own forward); `chain` makes the points
+    of "full" a chain for the backward (`attnres.ops.chain`: the same gradients, summed in place; for eager training);
     `full_group`: the points of "full" that phase 1 scores together (`FullResidual`; 0: none; None: chosen by
     the backend where the chain would run).
     """

@@ -390,7 +390,7 @@ def full_groups_pay(source: torch.Tensor, points: int) -> bool:
     aggregation points): where the backend has compiled kernels for both phases' backward (the CPU's; on a backend
     without them phase 2 runs as torch ops)."""
     device, dtype, d = source.device.type, source.dtype, source.shape[-1]
-    phases = (("merge_sources_bwd", None), ("depth_stats_bwd", points))
+    phases = (("merge_sources_bwd", None), ("depth_stats_bwd_into", points))
     return all(backend_for(device, dtype, d, op, rows) is not PORTABLE for op, rows in phases)
 
 

@@ -209,8 +209,8 @@ def passed_on_as_views(state: ResidualState, given) -> ResidualState:
     parameters for backward from such hooks); on the taken tensor itself they would fire only when the backward
     reaches the layer that wrote it. Views share storage: nothing is copied. A Full state with a carrier needs none: the
     chain's later points track only its newest source and the carrier (`attnres.ops.chain`), both this layer's own,
-    and views of the older sources would never be reached in backward. Neither runs under FSDP2: phase-1 groups, whose
-    later reads track the sources of their own group and the groups' carrier, each layer's view nodes would only
+    and views of the older sources would never be reached in backward. Phase-1 groups (never under FSDP2) carry one
+    too: their later reads track the sources of their own group and the groups' carrier, and view nodes would only
     cost."""
     if not torch.is_grad_enabled() or state.carrier is not None:
         return state

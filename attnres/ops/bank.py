@@ -77,7 +77,8 @@ def bank_aggregate(
     `write`, bank row `nvb`: the prefix after the pending add becomes that row and the sources are rows `0..nvb`) and
     returns the mixture `[N, d]` in the prefix's dtype, bit for bit the one-shot forward's over the same rows.
     """
-    return kernel("bank_aggregate", prefix)(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, write)
+    aggregate = kernel("bank_aggregate", prefix)
+    return aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, write)
 
 
 def bank_merge(

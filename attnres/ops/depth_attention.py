@@ -39,6 +39,12 @@ def fold_query(query: torch.Tensor, key_norm_weight: torch.Tensor | None, acc: t
     return q if key_norm_weight is None else q * as_dtype(key_norm_weight, acc)
 
 
+def fold_queries(queries: torch.Tensor, key_norm_weights: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
+    """`fold_query` for S queries `[S, d]` with their gains `[S, d]` (or None): phase 1's folded queries cs."""
+    cs = as_dtype(queries, acc)
+    return cs if key_norm_weights is None else cs * as_dtype(key_norm_weights, acc)
+
+
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t.to(dtype)`, without a dispatch when it is already of that dtype (inference folds queries at every point)."""
     return t if t.dtype == dtype else t.to(dtype)

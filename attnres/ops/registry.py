@@ -36,14 +36,15 @@ OPS = (
     # a point as one op with its own autograd node on plain tensors: depth_attention's and depth_attention_chained's
     "point", "chained_point",
     "depth_stats_fwd", "depth_stats_bwd",  # phase 1 (ops/two_phase.py)
-    # its backward with each query's gradient as a tensor of its own, the source gradients new or added into a buffer
-    # (depth_stats_per_query)
-    "depth_stats_bwd_rows", "depth_stats_bwd_into",
+    # its backward with each query's gradient as a tensor of its own, the source gradients written or added into a
+    # buffer (depth_stats_per_query)
+    "depth_stats_bwd_into",
     "merge_prefix_fwd", "merge_prefix_bwd",  # phase 2 (ops/merge.py)
     "merge_sources_fwd", "merge_sources_bwd",  # phase 2 of a group of Full points (ops/merge.py)
     "bank_aggregate", "bank_merge",  # the fused inference ops (ops/bank.py)
 )
-STATS_OPS = frozenset({"depth_stats_fwd", "depth_stats_bwd", "depth_stats_bwd_rows", "depth_stats_bwd_into"})  # the ops whose rows (sources, queries) are limited
+# the ops whose rows (sources, queries) are limited
+STATS_OPS = frozenset({"depth_stats_fwd", "depth_stats_bwd", "depth_stats_bwd_into"})
 
 
 @dataclass(frozen=True)

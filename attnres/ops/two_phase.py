@@ -21,7 +21,13 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from attnres.ops.checks import check_depth_stats, check_eps, check_vector
-from attnres.ops.depth_attention import accumulator_dtype, flat_tokens, rms_normalize, takes_kernels_directly
+from attnres.ops.depth_attention import (
+    accumulator_dtype,
+    flat_tokens,
+    fold_queries,
+    rms_normalize,
+    takes_kernels_directly,
+)
 from attnres.ops.registry import kernel, portable
 
 
@@ -72,20 +78,6 @@ def torch_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, eps):
         dcs += coef @ xf
         grads.append(dx.to(x.dtype).reshape(x.shape))
     return grads, dcs
-
-
-@portable("depth_stats_bwd_rows")
-def stacked_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, eps):
-    """Kernel of `depth_stats_bwd_rows` where a backend has none: the S rows of grad_u (`[N, d]` each, None for zeros)
-    stacked for the backend's `depth_stats_bwd`."""
-    N, d = m.shape[1], cs.shape[1]
-    zeros = None
-    rows = []
-    for g in grad_u:
-        if g is None:
-            zeros = cs.new_zeros(N, d) if zeros is None else zeros
-        rows.append(zeros if g is None else g.reshape(N, d).to(cs.dtype))
-    return _phase1_kernel("depth_stats_bwd", sources, cs)(grad_z, torch.stack(rows), sources, cs, m, rstd, eps)
 
 
 # The two ops below are the contract every backend's kernels keep (registry keys "depth_stats_fwd" and
@@ -175,7 +167,7 @@ def depth_stats(
     """
     xs, eps = check_depth_stats(sources, queries, key_norm_weights, eps)
     acc = accumulator_dtype(xs[0].dtype)
-    cs = queries.to(acc) if key_norm_weights is None else queries.to(acc) * key_norm_weights.to(acc)
+    cs = fold_queries(queries, key_norm_weights, acc)
     m, z, u, _ = depth_stats_fwd(xs, cs, eps)
     lead = (queries.shape[0], *xs[0].shape[:-1])
     return SoftmaxStats(m.detach().reshape(lead), z.reshape(lead), u.reshape(*lead, xs[0].shape[-1]))
@@ -257,9 +249,13 @@ class _ChainedStats(torch.autograd.Function):
 
 @portable("depth_stats_bwd_into")
 def added_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, eps, into, accumulate):
-    """Kernel of `depth_stats_bwd_into` where a backend has none: its `depth_stats_bwd_rows`, then each source's
-    gradient written, or added, into its row of `into`. Returns dcs."""
-    grads, dcs = _phase1_kernel("depth_stats_bwd_rows", sources, cs)(grad_z, grad_u, sources, cs, m, rstd, eps)
+    """Kernel of `depth_stats_bwd_into` where a backend has none: the S rows of grad_u (`[..., d]` each, None for
+    zeros) stacked for the backend's `depth_stats_bwd`, then each source's gradient written, or added, into its row
+    of `into`. Returns dcs."""
+    N, d = m.shape[1], cs.shape[1]
+    rows = [cs.new_zeros(N, d) if g is None else g.reshape(N, d).to(cs.dtype) for g in grad_u]
+    bwd = _phase1_kernel("depth_stats_bwd", sources, cs)
+    grads, dcs = bwd(grad_z, torch.stack(rows), sources, cs, m, rstd, eps)
     for row, grad in zip(into.unbind(0), grads):
         row.add_(grad.reshape(row.shape)) if accumulate else row.copy_(grad.reshape(row.shape))
     return dcs
@@ -295,7 +291,7 @@ def depth_stats_per_query(
         return split_stats(depth_stats(xs, queries, key_norm_weights, eps=eps)), None
     check_stats_carrier(carrier, xs)
     acc = accumulator_dtype(xs[0].dtype)
-    cs = queries.to(acc) if key_norm_weights is None else queries.to(acc) * key_norm_weights.to(acc)
+    cs = fold_queries(queries, key_norm_weights, acc)
     S = queries.shape[0]
     older = 0 if carrier is None else carrier.shape[0]
     m, *rows, carrier = _ChainedStats.apply(carrier, cs, eps, (S, *xs[0].shape[:-1]), tuple(xs[:older]), *xs[older:])

@@ -123,14 +123,9 @@ def cpu_depth_stats_bwd(grad_z, grad_u, sources, cs, m, rstd, eps):
     return list(grads), dcs
 
 
-def cpu_depth_stats_bwd_rows(grad_z, grad_u, sources, cs, m, rstd, eps):
-    """Kernel of `depth_stats_bwd_rows`: each query's grad_u read where it lies."""
-    grads, dcs = _ops().depth_stats_bwd_rows(grad_z, grad_u, sources, cs, m, rstd)
-    return list(grads), dcs
-
-
 def cpu_depth_stats_bwd_into(grad_z, grad_u, sources, cs, m, rstd, eps, into, accumulate):
-    """Kernel of `depth_stats_bwd_into`: the source gradients written, or added, into `into` in place."""
+    """Kernel of `depth_stats_bwd_into`: each query's grad_u read where it lies, the source gradients written, or
+    added, into `into` in place."""
     return _ops().depth_stats_bwd_into(grad_z, grad_u, sources, cs, m, rstd, into, accumulate)
 
 
@@ -169,7 +164,6 @@ KERNELS = Backend("cpu", {
     "chained_point": cpu_chained_point,
     "depth_stats_fwd": cpu_depth_stats_fwd,
     "depth_stats_bwd": cpu_depth_stats_bwd,
-    "depth_stats_bwd_rows": cpu_depth_stats_bwd_rows,
     "depth_stats_bwd_into": cpu_depth_stats_bwd_into,
     "merge_sources_fwd": cpu_merge_sources_fwd,
     "merge_sources_bwd": cpu_merge_sources_bwd,

@@ -389,27 +389,6 @@ inline void mix_rows(const typename K::raw* const* x, const A* p, int64_t count,
   }
 }
 
-// Elements of a chunk of d such that the chunks of `count` rows of `elem_bytes` fill about half of L1 (at least one
-// register block): mixing a chunk into several outputs then reads the rows from memory (or L2) once.
-inline int64_t l1_chunk(int64_t count, int64_t elem_bytes, int64_t block) {
-  constexpr int64_t kL1Bytes = 16 * 1024;
-  return std::max<int64_t>(block, kL1Bytes / (count * elem_bytes) / block * block);
-}
-
-// dst[q] = scale[q] * dst[q] (when `scale` is given) + sum_j p[q * p_stride + j] x_j, for n_out outputs, one L1
-// chunk of d at a time. `xo` is scratch for `count` pointers.
-template <class K, class A = typename K::acc>
-inline void mix_rows_into(const typename K::raw* const* x, int64_t count, const A* p, int64_t p_stride,
-                          int64_t n_out, const A* scale, int64_t d, A* const* dst, const typename K::raw** xo) {
-  const int64_t chunk = l1_chunk(count, sizeof(typename K::raw), kUnroll * kWidth<A>);
-  for (int64_t i0 = 0; i0 < d; i0 += chunk) {
-    for (int64_t j = 0; j < count; ++j) xo[j] = x[j] + i0;
-    for (int64_t q = 0; q < n_out; ++q)
-      mix_rows<K>(xo, p + q * p_stride, count, scale != nullptr, scale ? scale[q] : A(1), std::min(chunk, d - i0),
-                  dst[q] + i0);
-  }
-}
-
 // Register tiles of the phase-1 kernels, which multiply small matrices per token (S queries against R sources): a
 // tile of sums is held in registers while the rows it needs stream past, each register loaded serving several sums.
 // AVX-512's 32 registers hold a 4 x 4 tile with its operands; 16 registers, half of it.
@@ -531,15 +510,6 @@ inline void store_row(typename K::raw* dst, const A* m, A factor, const A* gain,
     K::vstore(dst + i, gain ? v * Plain<A>::vload(gain + i) : v);
   }
   for (; i < d; ++i) dst[i] = K::store(factor * m[i] * (gain ? gain[i] : A(1)));
-}
-
-// dst = v + a * x (x in the storage format), converted to the storage format.
-template <class K, class A = typename K::acc>
-inline void store_axpy(typename K::raw* dst, const A* v, A a, const typename K::raw* x, int64_t d) {
-  constexpr int64_t w = kWidth<A>;
-  int64_t i = 0;
-  for (; i + w <= d; i += w) K::vstore(dst + i, Plain<A>::vload(v + i) + splat(a) * K::vload(x + i));
-  for (; i < d; ++i) dst[i] = K::store(v[i] + a * K::load(x[i]));
 }
 
 template <class K, class A = typename K::acc>
@@ -1777,9 +1747,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_stats_fwd(at::T
 // the `[S, N, d]` tensor of depth_stats_bwd: a group of Full points hands each query's gradient on as its own tensor
 // (attnres/ops/two_phase.py, depth_stats_per_query), which a stack would copy. The source gradients go to `grads`
 // (R [N, d] rows, written or, with `accumulate`, added into); returns dcs.
-at::Tensor stats_backward(const Problem& p, const at::Tensor& grad_z, const std::vector<std::optional<at::Tensor>>& grad_u,
-                          const at::Tensor& cs, const at::Tensor& m, const at::Tensor& rstd,
-                          const std::vector<at::Tensor>& grads, bool accumulate) {
+at::Tensor stats_backward(const Problem& p, const at::Tensor& grad_z,
+                          const std::vector<std::optional<at::Tensor>>& grad_u, const at::Tensor& cs,
+                          const at::Tensor& m, const at::Tensor& rstd, const std::vector<at::Tensor>& grads,
+                          bool accumulate) {
   auto c = p.queries(cs);
   const int64_t n_q = c.size(0);
   TORCH_CHECK(int64_t(grad_u.size()) == n_q, "attnres_cpu: expected grad_u for each of the ", n_q, " queries");
@@ -1805,10 +1776,6 @@ at::Tensor stats_backward(const Problem& p, const at::Tensor& grad_z, const std:
   return dcs;
 }
 
-std::vector<std::optional<at::Tensor>> optional_rows(const c10::List<std::optional<at::Tensor>>& rows) {
-  return {rows.begin(), rows.end()};
-}
-
 std::tuple<std::vector<at::Tensor>, at::Tensor> depth_stats_bwd(const at::Tensor& grad_z, const at::Tensor& grad_u,
                                                                 at::TensorList sources, const at::Tensor& cs,
                                                                 const at::Tensor& m, const at::Tensor& rstd) {
@@ -1821,17 +1788,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> depth_stats_bwd(const at::Tensor
   return {grads, dcs};
 }
 
-std::tuple<std::vector<at::Tensor>, at::Tensor> depth_stats_bwd_rows(
-    const at::Tensor& grad_z, const c10::List<std::optional<at::Tensor>>& grad_u, at::TensorList sources,
-    const at::Tensor& cs, const at::Tensor& m, const at::Tensor& rstd) {
-  Problem p(sources);
-  auto grads = p.new_sources();
-  auto dcs = stats_backward(p, grad_z, optional_rows(grad_u), cs, m, rstd, grads, false);
-  return {grads, dcs};
-}
-
-// depth_stats_bwd_rows with the source gradients written (accumulate: added) into `into`: [R, N, d] (any leading
-// dims between), contiguous, the sources' dtype. Returns dcs.
+// Phase 1's backward with grad_u as S rows (None: zeros) and the source gradients written (accumulate: added) into
+// `into`: [R, N, d] (any leading dims between), contiguous, the sources' dtype. Returns dcs.
 at::Tensor depth_stats_bwd_into(const at::Tensor& grad_z, const c10::List<std::optional<at::Tensor>>& grad_u,
                                 at::TensorList sources, const at::Tensor& cs, const at::Tensor& m,
                                 const at::Tensor& rstd, const at::Tensor& into, bool accumulate) {
@@ -1840,12 +1798,13 @@ at::Tensor depth_stats_bwd_into(const at::Tensor& grad_z, const c10::List<std::o
                   into.numel() == p.n_src * p.n_tok * p.d,
               "attnres_cpu: `into` must be a contiguous CPU tensor of R sources' elements in their dtype");
   const auto grads = into.view({p.n_src, p.n_tok, p.d}).unbind(0);
-  return stats_backward(p, grad_z, optional_rows(grad_u), cs, m, rstd, grads, accumulate);
+  const std::vector<std::optional<at::Tensor>> rows(grad_u.begin(), grad_u.end());
+  return stats_backward(p, grad_z, rows, cs, m, rstd, grads, accumulate);
 }
 
 // Host side of the bank ops: the Python layer (attnres/ops/bank.py) has validated every argument, so this only takes
-// pointers, converting only what is not already in the kernels' layout (c and the gain in the accumulator dtype);
-// nothing is allocated but the result at decode sizes.
+// pointers, converting only what is not already in the kernels' layout (the query's fold and the gain in the
+// accumulator dtype, element by element); nothing is allocated but the result at decode sizes.
 template <class T>
 Rows<T> rows_in_place(const at::Tensor& t, int64_t n, int64_t d) {  // a [n, d] tensor, unit stride along d
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.size(0) == n && t.size(1) == d && (t.stride(1) == 1 || d == 1),
@@ -1858,8 +1817,8 @@ at::Tensor acc_vector(const at::Tensor& t, int64_t d, at::ScalarType acc) {  // 
   return t.scalar_type() == acc && t.dim() == 1 && t.is_contiguous() ? t : t.reshape({d}).to(acc).contiguous();
 }
 
-// `t`'s d elements (a point's `[d]` or `[1, d]` parameter, any floating dtype) converted into `out`, element by element:
-// at decode an ATen conversion per vector would cost more than the point's kernel.
+// `t`'s d elements (a point's `[d]` or `[1, d]` parameter, any floating dtype) converted into `out`, element by
+// element: at decode an ATen conversion per vector would cost more than the point's kernel.
 template <class A>
 void load_vector(const at::Tensor& t, int64_t d, A* out) {
   TORCH_CHECK(t.device().is_cpu() && t.numel() == d, "attnres_cpu: expected a CPU vector of ", d, " elements");
@@ -2047,8 +2006,6 @@ TORCH_LIBRARY(attnres_cpu, m) {
   m.def("depth_stats_fwd(Tensor[] sources, Tensor cs, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("depth_stats_bwd(Tensor grad_z, Tensor grad_u, Tensor[] sources, Tensor cs, Tensor m, Tensor rstd)"
         " -> (Tensor[], Tensor)");
-  m.def("depth_stats_bwd_rows(Tensor grad_z, Tensor?[] grad_u, Tensor[] sources, Tensor cs, Tensor m, Tensor rstd)"
-        " -> (Tensor[], Tensor)");
   m.def("depth_stats_bwd_into(Tensor grad_z, Tensor?[] grad_u, Tensor[] sources, Tensor cs, Tensor m, Tensor rstd,"
         " Tensor(a!) into, bool accumulate) -> Tensor");
   m.def("bank_aggregate(Tensor(a!) bank, int nvb, Tensor(b!) prefix, Tensor? output, Tensor query, Tensor gain,"
@@ -2072,7 +2029,6 @@ TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("chained_point", &chained_point);
   m.impl("depth_stats_fwd", &depth_stats_fwd);
   m.impl("depth_stats_bwd", &depth_stats_bwd);
-  m.impl("depth_stats_bwd_rows", &depth_stats_bwd_rows);
   m.impl("depth_stats_bwd_into", &depth_stats_bwd_into);
   m.impl("bank_aggregate", &bank_aggregate);
   m.impl("bank_merge", &bank_merge);

@@ -67,7 +67,8 @@ def fold(query, gain, cols, col_ok):
 @row_tiles(key=["D", "OUT_NORM", "DTYPE"], restore_value=["prefix"])
 @triton.jit
 def bank_aggregate_kernel(
-    bank, prefix, output, query, gain, out_weight, out, N, nvb, bank_stride_t, bank_stride_r, prefix_stride, eps, out_eps,
+    bank, prefix, output, query, gain, out_weight, out, N, nvb, bank_stride_t, bank_stride_r, prefix_stride, eps,
+    out_eps,
     D: tl.constexpr, D_PAD: tl.constexpr, HAS_OUTPUT: tl.constexpr, WRITE: tl.constexpr, OUT_NORM: tl.constexpr,
     DTYPE: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
