@@ -3,11 +3,14 @@ loads it, against its exact Block and Full conversions (`attnres.convert_from_hf
 conversion (the AttnRes decoder layer with the plain residual sum) runs beside them: what the layer costs apart from
 the depth attention.
 
-Two cases, each model in turn in every round (a shared machine's changing load then reaches all of them alike), the
-median of the rounds' ratios to the original. A deep copy of the original runs beside them as a fifth model ("copy"):
-its ratio would be 1 on a quiet machine, and how far it is from 1 is how far the other ratios can be trusted. Every
-model's weights live in memory of its own (the original is a deep copy of the loaded model, whose weights would stay
-in the file's memory map).
+Two cases, each model once in every round (a shared machine's changing load then reaches all of them alike), in an
+order that rotates from round to round (no model always runs after the same one), the median of the rounds' ratios to
+the original. The conversions compute with the original's own weight tensors (theirs are only the AttnRes queries
+and key gains): where a model's weights lie in memory moves a decode step, which streams them all, by several percent
+(a plain LlamaForCausalLM on a conversion's weights ran at 0.94x the original on its own copy), and that would be
+measured as AttnRes's cost. A deep copy of the original with weights of its own runs beside them as a fifth model
+("copy"): how far its ratio is from 1 is what the weights' place alone does, and how far a ratio can be trusted. The
+original itself is a deep copy of the loaded model, whose weights would stay in the file's memory map.
 - train: one optimizer step (forward with loss, backward, torch's fused AdamW) on 2 x 256 tokens of real text;
 - decode: one greedy decode step at batch 1 with a KV cache of 64 tokens (the middle of a 64-token answer to a
   32-token prompt), the cache cropped back after each step. A step is short, so the rounds are many: a machine whose
@@ -99,7 +102,7 @@ def load_models(source: str | dict, dtype: torch.dtype, device: str, block_size:
         original = LlamaForCausalLM(LlamaConfig(**source)).to(device, dtype)
     else:
         # a deep copy: loaded in its file's dtype, a model's weights stay in the file's memory map, which a CPU decode
-        # step reads at another speed than the copied weights every other model has
+        # step reads at another speed than the copy's weights
         original = copy.deepcopy(AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device))
     models = {
         ORIGINAL: original,
@@ -108,10 +111,20 @@ def load_models(source: str | dict, dtype: torch.dtype, device: str, block_size:
         BLOCK: convert_from_hf(copy.deepcopy(original), residual=BLOCK, attn_res_block_size=block_size),
         FULL: convert_from_hf(copy.deepcopy(original), residual=FULL),
     }
+    for name in (STANDARD, BLOCK, FULL):
+        share_weights(models[name], original)
     if not family_norms:  # every model's norms as fast as a plain norm gets: the original's included
         for model in models.values():
             fast_norms(model, {type(original.model.norm)})
     return models
+
+
+def share_weights(model: torch.nn.Module, source: torch.nn.Module) -> None:
+    """Make each of `model`'s parameters named as one of `source`'s that very parameter (tied ones included): both
+    models then read the same weight memory, and a training step of either updates it."""
+    for name, param in source.named_parameters(remove_duplicate=False):
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, param)
 
 
 def real_tokens(source: str | dict, count: int) -> torch.Tensor:

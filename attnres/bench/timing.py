@@ -35,8 +35,10 @@ def _sync(device: torch.device | str) -> Callable[[], None]:
 def round_times(
     fns: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1, device: torch.device | str = "cpu"
 ) -> dict[str, list[float]]:
-    """Seconds of each function in each of `repeats` rounds (one call of each per round, in order), after `warmup`
-    untimed calls of each."""
+    """Seconds of each function in each of `repeats` rounds, after `warmup` untimed calls of each. A round calls each
+    function once, in an order that rotates by one from round to round (round r starts with the r-th function): on a
+    CPU a function's time depends on what ran just before it (the caches it left, the allocator's free lists), so
+    none always follows the same one."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     sync = _sync(device)
@@ -44,8 +46,10 @@ def round_times(
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn = fns[name]
             sync()
             start = time.perf_counter()
             fn()

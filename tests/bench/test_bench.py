@@ -3,6 +3,7 @@ No timing assertions: only that every measurement exists, is positive and is rep
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -116,10 +117,15 @@ def test_bad_sizes_raise_naming_the_argument(overrides, word):
         SuiteConfig.quick(**overrides)
 
 
-def test_median_times_runs_round_robin_and_validates():
+def test_median_times_runs_rotating_rounds_and_validates():
     calls: list[str] = []
+    fns = {k: functools.partial(calls.append, k) for k in "abc"}
+    times = median_times(fns, repeats=4, warmup=1)
+    assert calls == list("abc") + list("abc") + list("bca") + list("cab") + list("abc")
+    assert set(times) == set("abc") and all(t >= 0 for t in times.values())
+    calls.clear()
     times = median_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1)
-    assert calls == ["a", "b"] + ["a", "b"] * 3
+    assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b"]
     assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
     rounds = round_times({"a": lambda: None, "b": lambda: None}, repeats=4, warmup=0)
     assert {k: len(v) for k, v in rounds.items()} == {"a": 4, "b": 4}
