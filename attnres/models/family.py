@@ -64,6 +64,11 @@ class Sublayer:
     post: tuple[tuple[str, bool], ...]
     scale: float
 
+    def held_arguments(self, layer_args) -> frozenset[str]:
+        """The family layer forward's own argument names (`layer_args`) that it does not hand its body: what a
+        `body_extra` body is not given of the layer's keyword arguments (`run_sublayer`)."""
+        return frozenset(layer_args).difference(self.body_args)
+
     def to_config(self) -> dict:
         """The JSON form kept in `AttnResConfig.attn_res_layer_plan`."""
         out = asdict(self)
@@ -237,15 +242,13 @@ def layer_parameters(layer_cls: type) -> dict[str, inspect.Parameter]:
     return {n: p for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self"}
 
 
-def run_sublayer(
-    layer: nn.Module, side: Sublayer, x: torch.Tensor, kwargs: dict, layer_args: frozenset
-) -> torch.Tensor:
-    """The sublayer's output v (what the family adds to its residual) for the normed input `x`; `layer_args`: the
-    family layer forward's own argument names (the rest of `kwargs` reach a `body_extra` body)."""
+def run_sublayer(layer: nn.Module, side: Sublayer, x: torch.Tensor, kwargs: dict, held: frozenset) -> torch.Tensor:
+    """The sublayer's output v (what the family adds to its residual) for the normed input `x`; `held`:
+    `side.held_arguments(...)` of the family layer's arguments (a `body_extra` body takes every other keyword argument;
+    computed once per layer, as this runs twice per layer and token)."""
     body = layer._modules[side.body]
-    if side.body_extra:  # all but the layer's own arguments that the body does not take
-        held = [name for name in kwargs if name in layer_args and name not in side.body_args]
-        args = {name: value for name, value in kwargs.items() if name not in held} if held else kwargs
+    if side.body_extra:
+        args = kwargs if held.isdisjoint(kwargs) else {name: v for name, v in kwargs.items() if name not in held}
     else:
         args = {name: kwargs[name] for name in side.body_args if name in kwargs}
     out = body(hidden_states=x, **args) if side.body_kwarg_input else body(x, **args)
@@ -313,10 +316,10 @@ def plan_and_check_layer(
         h, kw = _to_float64(hidden), _to_float64(kwargs)
         sides = plan_layer(copy64, layer_cls, family, h.shape[-1], h, kw)
         want = layer_cls.forward(copy64, h, **kw)
-        got, args = h, frozenset(layer_parameters(layer_cls))
+        got, args = h, layer_parameters(layer_cls)
         scale = max(float(h.abs().max()), float(want.abs().max()))  # the largest magnitude the sums round at
         for side in sides:
-            output = run_sublayer(copy64, side, getattr(copy64, side.norm)(got), kw, args)
+            output = run_sublayer(copy64, side, getattr(copy64, side.norm)(got), kw, side.held_arguments(args))
             got = got + output
             scale = max(scale, float(output.abs().max()), float(got.abs().max()))
     if not torch.allclose(got, want, rtol=FLOAT64_TOLERANCE, atol=FLOAT64_TOLERANCE * scale):

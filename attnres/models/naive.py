@@ -57,5 +57,5 @@ def naive_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
         kwargs = inputs[i][1]
         for k, side in enumerate(layer.sides):
             x = getattr(layer, side.norm)(read(2 * i + k))
-            v.append(run_sublayer(layer, side, x, kwargs, layer.family_args).to(x.dtype))
+            v.append(run_sublayer(layer, side, x, kwargs, side.held_arguments(layer.family_args)).to(x.dtype))
     return model.head_logits(model.model.norm(read(2 * L)))

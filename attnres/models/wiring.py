@@ -147,6 +147,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.family_args = frozenset(layer_parameters(self.family_layer_cls))
         self.sides: tuple[Sublayer, Sublayer] | None = None
         self._family_norms: dict[str, type] = {}
+        self._held: dict[str, frozenset[str]] = {}
         standard = config.residual == STANDARD
         self.points: tuple[NamedPoint, ...] = () if standard else add_points(self, SIDE_NAMES, dim, eps)
 
@@ -162,6 +163,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                     )
         self.sides = tuple(sides)
         self._family_norms = {side.norm: type(getattr(self, side.norm)) for side in sides}
+        self._held = {side.body: side.held_arguments(self.family_args) for side in sides}
 
     def forward(self, hidden_states, attn_res_residual: Residual | None = None, **kwargs):
         """hidden_states: the residual state (layer 0: the family's embedding `[batch, seq, d]`; any later layer: the
@@ -192,7 +194,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
 
     def sublayer(self, side: Sublayer, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """What the family's sublayer adds to its residual, for the normed input `x`."""
-        out = run_sublayer(self, side, x, kwargs, self.family_args)
+        out = run_sublayer(self, side, x, kwargs, self._held[side.body])
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def own_residual(self) -> Residual:
