@@ -5,12 +5,11 @@ the depth attention.
 
 Two cases, each model once in every round (a shared machine's changing load then reaches all of them alike), in an
 order that rotates from round to round (no model always runs after the same one), the median of the rounds' ratios to
-the original. The conversions compute with the original's own weight tensors (theirs are only the AttnRes queries
-and key gains): where a model's weights lie in memory moves a decode step, which streams them all, by several percent
-(a plain LlamaForCausalLM on a conversion's weights ran at 0.94x the original on its own copy), and that would be
-measured as AttnRes's cost. A deep copy of the original with weights of its own runs beside them as a fifth model
-("copy"): how far its ratio is from 1 is what the weights' place alone does, and how far a ratio can be trusted. The
-original itself is a deep copy of the loaded model, whose weights would stay in the file's memory map.
+the original. The conversions compute with the original's own weight tensors (theirs are only the AttnRes queries and
+key gains): where a model's weights lie in memory moves a decode step, which streams them all, by several percent, and
+that would be measured as AttnRes's cost. A deep copy of the original with weights of its own runs beside them as a
+fifth model ("copy"): how far its ratio is from 1 is what the weights' place alone does, and how far a ratio can be
+trusted. The original itself is a deep copy of the loaded model, whose weights would stay in the file's memory map.
 - train: one optimizer step (forward with loss, backward, torch's fused AdamW) on 2 x 256 tokens of real text;
 - decode: one greedy decode step at batch 1 with a KV cache of 64 tokens (the middle of a 64-token answer to a
   32-token prompt), the cache cropped back after each step. A step is short, so the rounds are many: a machine whose

@@ -94,7 +94,13 @@ def fast_norms(model: nn.Module, classes: set[type] | None = None) -> int:
     the instance, so its class, and with it the fusion of the AttnRes PreNorms, stays. The standard baseline then has
     fused norms as AttnRes does (with the unfused Python norm, ratios below 1 would be partly the baseline's).
     `classes`: the norm classes to replace (default: those the AttnRes model's layer plan fuses; for a model of the
-    family itself, its RMSNorm class). Returns the number of norms replaced."""
+    family itself, its RMSNorm class). Returns the number of norms replaced.
+
+    A model that transformers loaded with its hub kernels on (`use_kernels`, the default of `from_pretrained`) would
+    set its layers' forwards anew at its next `train()` or `eval()`, dropping these; its hub kernels are turned off
+    first (on a machine without them each falls back to the family's own forward)."""
+    if getattr(model, "use_kernels", False):
+        model.use_kernels = False
     if classes is None:
         model.plan_layers()
         classes = {

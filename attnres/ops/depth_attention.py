@@ -35,8 +35,7 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 def fold_query(query: torch.Tensor, key_norm_weight: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
     """c = g * w in the accumulator dtype (docs/design.md section 2, step 1): scoring against c equals scoring the
     RMS-normed key."""
-    q = as_dtype(query.reshape(-1), acc)
-    return q if key_norm_weight is None else q * as_dtype(key_norm_weight, acc)
+    return fold_queries(query.reshape(-1), key_norm_weight, acc)
 
 
 def fold_queries(queries: torch.Tensor, key_norm_weights: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:

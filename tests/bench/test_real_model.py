@@ -22,3 +22,19 @@ def test_conversions_share_the_originals_weights_and_compute_its_logits():
         expected = original(ids).logits
         for name in (real_model.STANDARD, real_model.BLOCK, real_model.FULL):
             torch.testing.assert_close(models[name](ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fast_norms_outlive_the_mode_switches_of_a_loaded_model(tmp_path):
+    """transformers loads a model with its hub kernels on, and re-kernelizes it at `train()` (the training step) and
+    `eval()`: the fast norms must still be the ones that run, as they are in the conversions."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from attnres.bench.models import _fast_rms_norm, fast_norms
+
+    LlamaForCausalLM(LlamaConfig(**real_model.SMOKE)).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    norms = [m for m in model.modules() if type(m) is type(model.model.norm)]
+    assert fast_norms(model, {type(model.model.norm)}) == len(norms) == 2 * real_model.SMOKE["num_hidden_layers"] + 1
+    for switch in (model.train, model.eval, model.train):
+        switch()
+        assert all(norm.forward.func is _fast_rms_norm for norm in norms)
