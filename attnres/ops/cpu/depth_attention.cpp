@@ -1831,11 +1831,12 @@ void load_vector(const at::Tensor& t, int64_t d, A* out) {
 
 template <class A>
 struct PointVectors {  // a bank op's vectors in the accumulator dtype: c = g * w, folded here, and the output-norm gain
-  std::vector<A> c, g, out_w;
+  std::vector<A> c, out_w;
 
   PointVectors(const at::Tensor& query, const at::Tensor& gain, const std::optional<at::Tensor>& out_norm_weight,
                int64_t d)
-      : c(d), g(d) {
+      : c(d) {
+    std::vector<A> g(d);
     load_vector(query, d, c.data());
     load_vector(gain, d, g.data());
     for (int64_t i = 0; i < d; ++i) c[i] *= g[i];  // one rounding, as the product of the two vectors in A
