@@ -130,8 +130,8 @@ PARITY_CASES = [
 # the kernels a case must have called on the Triton path (a fallback to torch would call none)
 EXPECTED_KERNELS = {
     ("block", True): ("depth_stats_fwd", "depth_stats_bwd", "merge_prefix_fwd", "merge_prefix_bwd"),
-    ("block", False): ("depth_attention_fwd", "depth_attention_bwd"),
-    # training: the points form a chain (attnres/ops/chain.py)
+    # training: the one-shot points form a chain (attnres/ops/chain.py)
+    ("block", False): ("depth_attention_fwd", "depth_attention_bwd_into"),
     ("full", None): ("depth_attention_fwd", "depth_attention_bwd_into"),
 }
 ERROR_FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1e-3}

@@ -122,10 +122,13 @@ class DepthAttention(nn.Module):
         out_norm: RMSNorm | None = None,
         *,
         out_eps: float | None = None,
+        carry_newest: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` as a point of a Full chain (`attnres.ops.chain`): takes the previous point's carrier (None starts
-        a chain) and returns (mixture, this point's carrier)."""
-        return depth_attention_chained(sources, carrier, **self._op_arguments(out_norm, out_eps))
+        """`forward` as a point of a chain (`attnres.ops.chain`): takes the previous point's carrier (None starts a
+        chain) and returns (mixture, this point's carrier), which covers all `sources` or, without `carry_newest`, all
+        but the last."""
+        return depth_attention_chained(sources, carrier, **self._op_arguments(out_norm, out_eps),
+                                       carry_newest=carry_newest)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(query w `[1, d]`, key gain g `[d]`, key eps) as they are now: what an inference kernel folds itself."""

@@ -37,7 +37,8 @@ def make_residual(
     autograd: for "block" the fused bank (`attnres.layers.bank`), for "full" direct kernel calls
     (`attnres.layers.full_inference`), unless depth is recorded; `layerwise`: Block's bank scores only a decoder
     layer's own points in phase 1 (FSDP2 gathers each layer's weights for its own forward); `chain` makes the points
-    of "full" a chain for the backward (`attnres.ops.chain`: the same gradients, summed in place; for eager training);
+    of "full" and the one-shot points of "block" a chain for the backward (`attnres.ops.chain`: the same gradients,
+    summed in place; for eager training);
     `full_group`: the points of "full" that phase 1 scores together (`FullResidual`; 0: none; None: chosen by
     the backend where the chain would run).
     """
@@ -55,4 +56,4 @@ def make_residual(
         raise ValueError("block_size: the block residual needs a block size (in decoder layers)")
     if inference:
         return BlockBank(num_layers, points, block_size, two_phase=two_phase, layerwise=layerwise, **common)
-    return BlockResidual(num_layers, points, block_size, two_phase=two_phase, **common)
+    return BlockResidual(num_layers, points, block_size, two_phase=two_phase, chain=chain, **common)

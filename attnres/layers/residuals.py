@@ -68,10 +68,10 @@ class ResidualState(NamedTuple):
     rows: Block: the completed block summaries (the bank); Full: every source so far; standard: none.
     head: standard: the residual sum; Block: the current block's partial sum (the prefix; None right after a write
         point, until the next write starts it); Full: None.
-    carrier: Full in training: the last point's carrier (`attnres.ops.chain`), or in phase-1 groups the last group's
-        phase-1 carrier (`depth_stats_per_query`), through which the later points or groups hand the gradients of the
-        earlier sources back. Optional: a state rebuilt without it (a pipeline stage's input) starts a new chain, with
-        the same gradients.
+    carrier: in training, Full's or Block's last point's carrier (`attnres.ops.chain`), or in Full's phase-1 groups
+        the last group's phase-1 carrier (`depth_stats_per_query`), through which the later points or groups hand the
+        gradients of the earlier sources back. Optional: a state rebuilt without it (a pipeline stage's input) starts a
+        new chain, with the same gradients.
     stats: the phase-1 statistics of the points `range(start, stop)`, as `(start, stop, SoftmaxStats)`, from the first
         of them to the last (docs/design.md section 4). Block: over `rows`, never handed to the next layer; Full: over
         the sources before `start`'s, handed on until the group's last point.
@@ -300,15 +300,22 @@ class BlockResidual(Residual):
     With `two_phase` (default: whenever it saves reads, i.e. a decoder layer's two points share the bank and it has
     several rows) the completed rows are scored once for both points (phase 1) and each point then merges in only its
     own prefix (phase 2). Recording depth forces the one-shot path, whose weights it keeps.
+
+    With `chain` (training, eager) the one-shot points form a chain (`attnres.ops.chain`) whose carrier covers the
+    bank rows: each row's gradient is summed in place over every later point, and each point writes a gradient of its
+    own for its prefix only. A two-phase point, or a recording read, ends the chain; the next one-shot point starts
+    another.
     """
 
-    def __init__(self, num_layers, points, block_size: int, *, rescale_mixture=False, record=None, two_phase=None):
+    def __init__(self, num_layers, points, block_size: int, *, rescale_mixture=False, record=None, two_phase=None,
+                 chain=False):
         super().__init__(num_layers, points, rescale_mixture=rescale_mixture, record=record)
         check_points(points, num_layers)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size: expected a positive number of decoder layers, got {block_size!r}")
         self.block_size = block_size
         self.two_phase = two_phase
+        self.chain = chain and not self.depth
 
     @property
     def num_bank_rows(self) -> int:
@@ -333,7 +340,7 @@ class BlockResidual(Residual):
         return 2 * end if end < self.num_layers else 2 * self.num_layers + 1
 
     def _read(self, state, point, norm):
-        rows, prefix, stats = state.rows, state.head, state.stats
+        rows, prefix, stats, carrier = state.rows, state.head, state.stats, state.carrier
         if self.is_write_point(point):
             # the prefix is the block that just ended: it becomes a bank row, sources unchanged
             rows, prefix, stats = (*rows, prefix), None, None
@@ -341,12 +348,19 @@ class BlockResidual(Residual):
         if stats is None or not stats[0] <= point < stats[1]:
             stats = self._score(rows, self.block_points(point)) if rows else None
         state = ResidualState(rows=rows, head=prefix, stats=None if stats is None or point + 1 == stats[1] else stats)
-        if stats is None:
+        if stats is not None:
+            return self._merge_prefix(point, stats, rows, prefix, norm), state
+        if not self.chain:
             return self._mix(point, sources, norm), state
-        return self._merge_prefix(point, stats, rows, prefix, norm), state
+        # the carrier goes on with the bank rows; the prefix is read again only within the next prefix
+        R = len(sources)
+        out, carrier = self.points[point].chained(sources, carrier, norm, out_eps=self._out_eps(norm, R),
+                                                  carry_newest=prefix is None)
+        return (out if norm is not None else self._finish_unfused(out, R)), state._replace(carrier=carrier)
 
     def write(self, state, output):
-        return ResidualState(state.rows, output if state.head is None else state.head + output, None, state.stats)
+        head = output if state.head is None else state.head + output
+        return ResidualState(state.rows, head, state.carrier, state.stats)
 
     def use_two_phase(self, row: torch.Tensor, rows: int, points: int) -> bool:
         """Phase 1 over `rows` bank rows like `row` for `points` points, or one-shot reads?"""

@@ -78,20 +78,21 @@ class Records(Recorder):
 ACTIVE_RESIDUAL = CompileableContextVar("attn_res_residual")
 
 
-# False inside `unchained_full_points()`: Full's points run one at a time in training too (never read when traced)
-_FULL_CHAIN = contextvars.ContextVar("attn_res_full_chain", default=True)
+# False inside `unchained_points()`: Full's and Block's points run one at a time in training too (never read when
+# traced)
+_CHAIN = contextvars.ContextVar("attn_res_chain", default=True)
 
 
 @contextlib.contextmanager
-def unchained_full_points():
-    """Within the block, Full's training forwards run their points one at a time instead of as a chain: the same
-    gradients, summed by autograd (for comparisons; docs/design.md section 3). A backward that replays a checkpointed
+def unchained_points():
+    """Within the block, Full's and Block's training forwards run their points one at a time instead of as a chain: the
+    same gradients, summed by autograd (for comparisons; docs/design.md section 3). A backward that replays a checkpointed
     layer must run within it too."""
-    token = _FULL_CHAIN.set(False)
+    token = _CHAIN.set(False)
     try:
         yield
     finally:
-        _FULL_CHAIN.reset(token)
+        _CHAIN.reset(token)
 
 
 def residual_for(
@@ -101,8 +102,8 @@ def residual_for(
     """The residual object of a forward (or of a layer or final read run alone) over `points`.
 
     `backward`: the forward has a backward, or reentrant checkpointing will replay it with one: the autograd residuals
-    (Full's points a chain, except where traced, as `torch.compile` takes the functional op, or within
-    `unchained_full_points()`). Otherwise the inference backends: Block's fused bank (docs/design.md section 5) and
+    (Full's and Block's one-shot points a chain, except where traced, as `torch.compile` takes the functional op, or within
+    `unchained_points()`). Otherwise the inference backends: Block's fused bank (docs/design.md section 5) and
     Full's direct kernel calls; `layerwise` where each layer's weights are at hand during its own forward only (FSDP2).
     Full's phase-1 groups are as `attn_res_full_group` sets them; chosen (None), none under FSDP2 or activation
     `checkpointing`, which keeps only each layer's input (a group keeps each point's u, `[tokens, d]` fp32).
@@ -120,7 +121,7 @@ def residual_for(
         record=records,
         inference=not backward,
         layerwise=layerwise,
-        chain=backward and not torch.compiler.is_compiling() and _FULL_CHAIN.get(),
+        chain=backward and not torch.compiler.is_compiling() and _CHAIN.get(),
         full_group=group,
     )
 
@@ -209,11 +210,11 @@ def passed_on_as_views(state: ResidualState, given) -> ResidualState:
     sources) replaced by a view of it: each layer's outputs are then its own autograd nodes, whose gradients are
     complete when the backward reaches this layer. Hooks on a layer's outputs fire then (FSDP2 gathers the layer's
     parameters for backward from such hooks); on the taken tensor itself they would fire only when the backward
-    reaches the layer that wrote it. Views share storage: nothing is copied. A Full state with a carrier needs none: the
-    chain's later points track only its newest source and the carrier (`attnres.ops.chain`), both this layer's own,
-    and views of the older sources would never be reached in backward. Phase-1 groups (never under FSDP2) carry one
-    too: their later reads track the sources of their own group and the groups' carrier, and view nodes would only
-    cost."""
+    reaches the layer that wrote it. Views share storage: nothing is copied. A state with a carrier needs none: the
+    chain's later points (`attnres.ops.chain`) track only the carrier and Full's newest source or Block's prefix (which
+    a write point takes as its new bank row), this layer's own, and views of the older sources would never be reached
+    in backward. Phase-1 groups (never under FSDP2) carry one too: their later reads track the sources of their own
+    group and the groups' carrier, and view nodes would only cost."""
     if not torch.is_grad_enabled() or state.carrier is not None:
         return state
     taken = {id(given)} if isinstance(given, torch.Tensor) else {id(t) for t in (*given.rows, given.head)}

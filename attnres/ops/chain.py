@@ -1,20 +1,23 @@
-"""The Full schedule's points as one chain for the backward: each source's gradient is summed in place, once.
+"""A schedule's points as one chain for the backward: each source's gradient is summed in place, once.
 
 In Full AttnRes, point l reads every source v_0 .. v_{l-1}, so in the backward each source gets a gradient from every
-later point. Through `depth_attention` each point writes R fresh gradients and autograd adds them up: O(L^2) tensors
-written and added. A chain keeps one gradient buffer instead. Each point takes the `carrier` the previous point
-returned and returns its own:
+later point; in Block AttnRes every bank row gets one from each later point. Through `depth_attention` each point
+writes R fresh gradients and autograd adds them up: a tensor written and added per point and source. A chain keeps one
+gradient buffer instead. Each point reads the sources the previous point's carrier covers plus one more, takes that
+carrier and returns its own:
 
     out, carrier = depth_attention_chained(sources, carrier, query, key_norm_weight, ...)
 
-A carrier's value is nothing (a zero-stride placeholder, shaped `[R, ..., d]` like the R sources of the point that
-made it); its gradient is the running sum, over every later point, of their gradients w.r.t. those R sources. So in
-the backward, a point adds its own contribution into that buffer in place (the `point_bwd_into` kernel), returns the
-row of its newest source (complete: every later reader has added to it) and hands the rest back as the previous
-carrier's gradient. A point that starts a chain (no carrier in) returns every row; one whose carrier no later point
-takes ends it (its carrier gets no gradient, and it writes a fresh buffer). Nothing outside autograd is shared: the
-chain orders the backward by itself, and since the buffer is a gradient, autograd sums the buffers of two points that
-took the same carrier as for any tensor.
+A carrier's value is nothing (a zero-stride placeholder, shaped `[R, ..., d]` like the sources it covers); its
+gradient is the running sum, over every later point, of their gradients w.r.t. those sources. It covers every source
+of the point that made it (Full; a Block write point, whose newest source is the bank row it writes), or with
+`carry_newest=False` all but the newest (a Block point's prefix, which no later point reads as such). So in the
+backward, a point adds its own contribution into that buffer in place (the `point_bwd_into` kernel), writes a fresh
+gradient for a newest source it does not carry, returns the gradient of its newest source (complete: every later
+reader has added to it) and hands the rest back as the previous carrier's gradient. A point that starts a chain (no
+carrier in) returns every source's; one whose carrier no later point takes ends it (its carrier gets no gradient, and
+it writes a fresh buffer). Nothing outside autograd is shared: the chain orders the backward by itself, and since the
+buffer is a gradient, autograd sums the buffers of two points that took the same carrier as for any tensor.
 
 Values and gradients are those of `depth_attention` point by point: in fp32 the sums run in the order autograd runs
 them, so they agree bit for bit; in bf16 and fp16 each partial sum is rounded once (autograd rounds each point's
@@ -59,17 +62,18 @@ class _ChainedPoint(torch.autograd.Function):
     every source. A backend's own `chained_point` op (the CPU's: this Function in C++) takes its place."""
 
     @staticmethod
-    def forward(ctx, carrier, query, key_norm_weight, out_norm_weight, eps, out_eps, older, *tracked):
+    def forward(ctx, carrier, query, key_norm_weight, out_norm_weight, eps, out_eps, carry_newest, older, *tracked):
         sources = [*older, *tracked]
         x = sources[0]
         ctx.point_bwd_into = kernel("point_bwd_into", x)
         point_fwd = kernel("point_fwd", x) if takes_kernels_directly(x) else traced_point_fwd
         out, weights, rstd, c = point_fwd(sources, query, key_norm_weight, out_norm_weight, eps, out_eps)
         ctx.save_for_backward(c, query, key_norm_weight, out_norm_weight, weights, rstd, *sources)
-        ctx.eps, ctx.out_eps, ctx.continues = eps, out_eps, carrier is not None
+        ctx.eps, ctx.out_eps, ctx.older = eps, out_eps, len(older)
+        ctx.carry = len(sources) - (not carry_newest)
         ctx.set_materialize_grads(False)  # an unused carrier ends the chain: no zero buffer for it
         # the carrier: one element, zero strides (one op)
-        return out, torch.empty_strided((len(sources), *x.shape), (0,) * (x.dim() + 1), dtype=x.dtype, device=x.device)
+        return out, torch.empty_strided((ctx.carry, *x.shape), (0,) * (x.dim() + 1), dtype=x.dtype, device=x.device)
 
     @staticmethod
     @once_differentiable  # the kernels are not differentiable: a second derivative raises instead of missing terms
@@ -79,24 +83,27 @@ class _ChainedPoint(torch.autograd.Function):
         accumulate = grad_carrier is not None
         if accumulate:
             # the later points' sums, added onto in place; anything but our own contiguous buffer is copied first
-            into = grad_carrier if grad_carrier.is_contiguous() else grad_carrier.contiguous()
+            carried = grad_carrier if grad_carrier.is_contiguous() else grad_carrier.contiguous()
         else:
-            into = torch.empty((len(sources), *x.shape), dtype=x.dtype, device=x.device)
+            carried = torch.empty((ctx.carry, *x.shape), dtype=x.dtype, device=x.device)
+        # a newest source not carried on gets a fresh gradient
+        into = [*carried.unbind(0), *(torch.empty_like(x) for _ in range(len(sources) - ctx.carry))]
         # no grad_out where only the carrier is used further on: nothing of this point's own to add (zeros)
         d_query, d_gain, d_out_w = ctx.point_bwd_into(
             grad_or_zeros(grad_out, x), None, sources, c, query, gain, out_norm_weight, weights, rstd, ctx.eps,
-            ctx.out_eps, into, accumulate,
+            ctx.out_eps, into, ctx.carry if accumulate else 0,
         )
-        # the newest source is complete; the older ones go on summing in the previous point
-        back, grads = (into[:-1], [into[-1]]) if ctx.continues else (None, into.unbind(0))
-        return back, d_query, d_gain, d_out_w, None, None, None, *grads
+        # the tracked sources' gradients are complete; the older ones go on summing in the previous point
+        back = carried[:ctx.older] if ctx.older else None
+        return back, d_query, d_gain, d_out_w, None, None, None, None, *into[ctx.older:]
 
 
 @portable("chained_point")
-def chained_point(tracked, older, carrier, query, gain, out_norm_weight, eps, out_eps):
+def chained_point(tracked, older, carrier, query, gain, out_norm_weight, eps, out_eps, carry_newest):
     """The `chained_point` op where a backend has none: (out, carrier) through `_ChainedPoint`; only `tracked` are
     autograd inputs."""
-    return _ChainedPoint.apply(carrier, query, gain, out_norm_weight, eps, out_eps, tuple(older), *tracked)
+    return _ChainedPoint.apply(carrier, query, gain, out_norm_weight, eps, out_eps, carry_newest, tuple(older),
+                               *tracked)
 
 
 def depth_attention_chained(
@@ -108,12 +115,14 @@ def depth_attention_chained(
     eps: float = 1e-6,
     out_norm_weight: torch.Tensor | None = None,
     out_eps: float | None = None,
+    carry_newest: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`depth_attention` (same arguments, without `return_weights`) as a point of a chain: also takes the previous
     point's carrier (None starts a chain) and returns (mixture, this point's carrier) for the next point, which must
-    read these sources plus one more. The mixture and every gradient are `depth_attention`'s."""
+    read the sources the carrier covers plus one more: these sources, or without `carry_newest` all but the newest.
+    The mixture and every gradient are `depth_attention`'s."""
     xs, eps, out_eps = check_depth_attention(sources, query, key_norm_weight, eps, out_norm_weight, out_eps)
     check_carrier(carrier, xs)
     older, tracked = (xs[:-1], xs[-1:]) if carrier is not None else ([], xs)
     point = kernel("chained_point", xs[0]) if takes_kernels_directly(xs[0]) else chained_point
-    return point(tracked, older, carrier, query, key_norm_weight, out_norm_weight, eps, out_eps)
+    return point(tracked, older, carrier, query, key_norm_weight, out_norm_weight, eps, out_eps, carry_newest)

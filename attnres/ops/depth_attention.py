@@ -116,13 +116,14 @@ def torch_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weigh
 def torch_depth_attention_bwd_into(
     grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps, into, accumulate
 ):
-    """Portable kernel of `depth_attention_bwd_into`: the backward with the source gradients written into `into`
-    (`[R, ..., d]`, contiguous, the sources' dtype), or with `accumulate` added onto what it holds (in the accumulator
-    dtype, rounded once), in place. Returns (grad of c, grad of out_norm_weight) as `depth_attention_bwd` does."""
-    rows = into.view(len(sources), -1, c.shape[0])
+    """Portable kernel of `depth_attention_bwd_into`: the backward with the source gradients in place in `into`, one
+    contiguous tensor per source in its dtype: added onto what the first `accumulate` of them hold (in the accumulator
+    dtype, rounded once), written into the others. Returns (grad of c, grad of out_norm_weight) as
+    `depth_attention_bwd` does."""
+    rows = [t.view(-1, c.shape[0]) for t in into]
 
     def put(j, dx):
-        rows[j].copy_(rows[j].to(dx.dtype) + dx if accumulate else dx)
+        rows[j].copy_(rows[j].to(dx.dtype) + dx if j < accumulate else dx)
 
     return _torch_bwd(grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, out_eps, put)
 

@@ -13,7 +13,7 @@ from attnres.models import AttnResConfig, wiring
 from attnres.ops import registry
 from tests.models import TINY
 from tests.models.test_checkpointing import make_model, training_step
-from tests.models.test_full_chain import assert_steps_agree
+from tests.models.test_chain import assert_steps_agree
 
 
 def handed_on(model) -> list[tuple[int, int] | None]:
@@ -62,7 +62,7 @@ def test_a_set_group_is_taken_and_zero_runs_the_chain():
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_grouped_training_gives_the_functional_loss_and_gradients(family, group):
     model = make_model(family, "full", attn_res_full_group=group)
-    with wiring.unchained_full_points():
+    with wiring.unchained_points():
         want = training_step(model)
     assert_steps_agree(training_step(model), want, exact=False, same_forward=False)  # phase 1 sums in another order
 

@@ -503,10 +503,10 @@ def test_point_kernels_fold_and_unfold_as_the_composed_twin_bit_for_bit(param_dt
     for fwd, bwd, bwd_into in ((cpu.cpu_point_fwd, cpu.cpu_point_bwd, cpu.cpu_point_bwd_into), composed):
         out, weights, rstd, c = fwd(sources, query, key_gain, out_w, EPS, OUT_EPS)
         grads, *params = bwd(grad_out, grad_weights, sources, c, query, key_gain, out_w, weights, rstd, EPS, OUT_EPS)
-        into = torch.ones(n_src, 3, 5, d)
+        into = list(torch.ones(n_src, 3, 5, d))
         into_params = bwd_into(grad_out, grad_weights, sources, c, query, key_gain, out_w, weights, rstd, EPS,
-                               OUT_EPS, into, True)
-        results.append([out, weights, rstd, c, *grads, into, *params, *into_params])
+                               OUT_EPS, into, n_src - 1)
+        results.append([out, weights, rstd, c, *grads, *into, *params, *into_params])
     for a, e in zip(*results):
         if e is None:
             assert a is None

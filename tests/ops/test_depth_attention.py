@@ -440,8 +440,8 @@ def test_a_second_derivative_raises_instead_of_missing_the_points_terms(path):
     xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
     q, gain = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
     if path.startswith("chained"):
-        out = (cpu.cpu_chained_point(xs, [], None, q, gain, None, 1e-6, 1e-6) if path == "chained-cpu" else
-               chain._ChainedPoint.apply(None, q, gain, None, 1e-6, 1e-6, (), *xs))[0]
+        out = (cpu.cpu_chained_point(xs, [], None, q, gain, None, 1e-6, 1e-6, True) if path == "chained-cpu" else
+               chain._ChainedPoint.apply(None, q, gain, None, 1e-6, 1e-6, True, (), *xs))[0]
     else:
         out = (cpu.cpu_point if path == "cpu" else python_point)(xs, q, gain, None, 1e-6, 1e-6)[0]
     first = torch.autograd.grad(out.square().sum(), [xs[0], q], create_graph=True)

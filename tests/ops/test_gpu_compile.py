@@ -198,7 +198,7 @@ def one_shot_bwd(d, n, dtype=torch.bfloat16, out_norm=True, grad_weights=True, r
         args = (torch.empty(n, d, dtype=dtype), torch.empty(r, n) if grad_weights else None, sources(r, n, d, dtype),
                 vec(d), vec(d) if out_norm else None, stats, stats, 1e-6, 1e-6)
         if accumulate:  # a chained point (attnres/ops/chain.py) adds onto the gradients it is given
-            depth_attention.triton_depth_attention_bwd_into(*args, torch.empty(r, n, d, dtype=dtype), True)
+            depth_attention.triton_depth_attention_bwd_into(*args, list(torch.empty(r, n, d, dtype=dtype)), r)
         else:
             depth_attention.triton_depth_attention_bwd(*args)
     return call

@@ -204,8 +204,8 @@ def test_depth_attention_matches_twin(case):
 @kernel_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_bwd_into_writes_and_adds_what_bwd_returns(dtype):
-    """`Backend.bwd_into` (a chained Full point's backward, attnres/ops/chain.py): with accumulate off it writes the
-    gradients `bwd` returns; with it on it adds them onto the buffer before rounding once."""
+    """`Backend.bwd_into` (a chained point's backward, attnres/ops/chain.py): into the gradients it is given (one tensor
+    per source) it writes those `bwd` returns, or for the first `accumulate` adds them on before rounding once."""
     from attnres.ops.triton import (
         triton_depth_attention_bwd,
         triton_depth_attention_bwd_into,
@@ -221,19 +221,21 @@ def test_bwd_into_writes_and_adds_what_bwd_returns(dtype):
     args = (go, None, sources, c, o, weights, rstd, EPS, OUT_EPS)
     grads, dc, d_out_w = triton_depth_attention_bwd(*args)
 
-    into = torch.empty((R, *lead, d), dtype=dtype, device=DEVICE)  # NaN-filled: every element must be written
-    dc_into, d_out_w_into = triton_depth_attention_bwd_into(*args, into, False)
-    assert torch.equal(into, torch.stack(grads))
+    into = list(torch.empty((R, *lead, d), dtype=dtype, device=DEVICE))  # NaN-filled: every element must be written
+    dc_into, d_out_w_into = triton_depth_attention_bwd_into(*args, into, 0)
+    assert torch.equal(torch.stack(into), torch.stack(grads))
     assert torch.equal(dc_into, dc) and torch.equal(d_out_w_into, d_out_w)
 
+    added = 2  # the first two added onto, the last written
     base = torch.randn(R, *lead, d).to(dtype).to(DEVICE)
-    summed = base.clone()
-    triton_depth_attention_bwd_into(*args, summed, True)
+    summed = [t.clone() for t in base[:added]] + [torch.full_like(base[0], float("nan"))]
+    triton_depth_attention_bwd_into(*args, summed, added)
     fresh = torch.stack(grads).float()
+    assert torch.equal(summed[added], grads[added])
     # the sum is rounded once where `fresh` was rounded too: one ulp of each (the interpreter truncates, a GPU rounds)
     ulp = 2.0**-22 if dtype == torch.float32 else 2.0**-7
-    bound = ulp * (base.float().abs() + 2 * fresh.abs())
-    assert ((summed.float() - (base.float() + fresh)).abs() <= bound).all()
+    bound = ulp * (base[:added].float().abs() + 2 * fresh[:added].abs())
+    assert ((torch.stack(summed[:added]).float() - (base[:added].float() + fresh[:added])).abs() <= bound).all()
 
 
 @kernel_test

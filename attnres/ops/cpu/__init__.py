@@ -73,7 +73,8 @@ def cpu_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weight,
 def cpu_depth_attention_bwd_into(
     grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps, into, accumulate
 ):
-    """Kernel of `depth_attention_bwd_into`: the source gradients written, or added, into `into` in place."""
+    """Kernel of `depth_attention_bwd_into`: the source gradients added onto the first `accumulate` tensors of `into`
+    (one per source), written into the others, in place."""
     return _ops().depth_attention_bwd_into(
         grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, out_eps, into, accumulate
     )
@@ -106,10 +107,10 @@ def cpu_point(sources, query, gain, out_norm_weight, eps, out_eps):
     return _ops().point(sources, query, gain, out_norm_weight, eps, out_eps)
 
 
-def cpu_chained_point(tracked, older, carrier, query, gain, out_norm_weight, eps, out_eps):
+def cpu_chained_point(tracked, older, carrier, query, gain, out_norm_weight, eps, out_eps, carry_newest):
     """Kernel of `chained_point`: (out, carrier) of a point of `depth_attention_chained`, its backward a C++ autograd
     node; only `tracked` are autograd inputs."""
-    return _ops().chained_point(tracked, older, carrier, query, gain, out_norm_weight, eps, out_eps)
+    return _ops().chained_point(tracked, older, carrier, query, gain, out_norm_weight, eps, out_eps, carry_newest)
 
 
 def cpu_depth_stats_fwd(sources, cs, eps):

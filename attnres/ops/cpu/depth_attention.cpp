@@ -795,9 +795,9 @@ inline V source_grad(V alpha, V dm, V coef, V c, V shrink, V x) {
   return alpha * dm + coef * c - shrink * x;
 }
 
-// The arguments every backward pass shares. Accumulate (a template flag of the passes): add the source gradients onto
-// what `grads` holds (a chain of Full points, attnres/ops/chain.py) instead of writing them; their lines are asked for
-// (a prefetch to write) as the dot pass reads the sources, so that their loads overlap the passes before the last.
+// The arguments every backward pass shares. n_acc: the first n_acc sources' gradients are added onto what `grads`
+// holds (a chain of points, attnres/ops/chain.py), the others written; the lines added onto are asked for (a prefetch
+// to write) as the dot pass reads the sources, so that their loads overlap the passes before the last.
 template <class K>
 struct BackwardArgs {
   using A = typename K::acc;
@@ -808,6 +808,7 @@ struct BackwardArgs {
   double out_eps;
   int64_t n_tok, d;
   const std::vector<typename K::raw*>& grads;
+  int64_t n_acc;
 };
 
 // Per-thread scratch of backward_tile: the tile's output-gradient rows (dm), at [j * lanes + t] each row's weight, key
@@ -826,7 +827,7 @@ struct BackwardScratch {
 };
 
 // The backward for a tile of n tokens from n0, source by source (see backward_tile_tokens).
-template <class K, bool Accumulate>
+template <class K>
 void backward_tile(const BackwardArgs<K>& a, int64_t n0, int64_t n, BackwardScratch<K>& s,
                    typename K::acc* dc_acc, typename K::acc* dw_acc) {
   using A = typename K::acc;
@@ -854,7 +855,7 @@ void backward_tile(const BackwardArgs<K>& a, int64_t n0, int64_t n, BackwardScra
       const R* row = a.src[j][n0 + t];
       const A* y[2] = {a.c, s.dm.data() + t * d};
       A out[2];
-      if constexpr (Accumulate)
+      if (j < a.n_acc)
         for (int64_t i = 0; i < d; i += line) __builtin_prefetch(a.grads[j] + (n0 + t) * d + i, 1, 3);
       dot_rows<K>(&row, 1, y, 2, d, s.dots.data(), out, nullptr);
       s.xc[j * L + t] = out[0], s.g[j * L + t] = out[1];
@@ -878,7 +879,7 @@ void backward_tile(const BackwardArgs<K>& a, int64_t n0, int64_t n, BackwardScra
     }
   }
   // dx_j = alpha_j dm + coef_j c - shrink_j x_j and dc += coef_j x_j, source by source, row by row
-  for (int64_t j = 0; j < n_src; ++j)
+  auto source_grads = [&]<bool Accumulate>(int64_t j) {
     for (int64_t t = 0; t < n; ++t) {
       const R* x = a.src[j][n0 + t];
       R* dx = a.grads[j] + (n0 + t) * d;
@@ -898,11 +899,14 @@ void backward_tile(const BackwardArgs<K>& a, int64_t n0, int64_t n, BackwardScra
         dc_acc[i] += cj * xv;
       }
     }
+  };
+  for (int64_t j = 0; j < n_src; ++j)
+    j < a.n_acc ? source_grads.template operator()<true>(j) : source_grads.template operator()<false>(j);
 }
 
 // The backward for the tokens begin .. end one at a time (rows too long for tiles), each token's rows read side by
 // side.
-template <class K, bool Accumulate>
+template <class K>
 void backward_token(const BackwardArgs<K>& a, int64_t begin, int64_t end, typename K::acc* dc_acc,
                     typename K::acc* dw_acc) {
   using A = typename K::acc;
@@ -922,11 +926,9 @@ void backward_token(const BackwardArgs<K>& a, int64_t begin, int64_t end, typena
       x[j] = a.src[j][n], dx[j] = a.grads[j] + n * d;
       alpha[j] = a.weights[j * a.n_tok + n];
     }
-    if constexpr (Accumulate) {
-      constexpr int64_t line = 64 / sizeof(R);
-      for (int64_t j = 0; j < n_src; ++j)
-        for (int64_t i = 0; i < d; i += line) __builtin_prefetch(dx[j] + i, 1, 3);
-    }
+    constexpr int64_t line = 64 / sizeof(R);
+    for (int64_t j = 0; j < a.n_acc; ++j)
+      for (int64_t i = 0; i < d; i += line) __builtin_prefetch(dx[j] + i, 1, 3);
     load_row<K>(dm.data(), a.grad_out[n], d);
     if (a.out_w != nullptr) {  // dm becomes the gradient reaching the mixture, mixed again here
       mix_rows<K>(x.data(), alpha.data(), n_src, false, A(0), d, mix.data());
@@ -946,14 +948,18 @@ void backward_token(const BackwardArgs<K>& a, int64_t begin, int64_t end, typena
     auto dx_block = [&]<int64_t U>(int64_t i) {
       Vec<A> dmv[U], cv[U], dcv[U] = {};
       for (int64_t k = 0; k < U; ++k) dmv[k] = P::vload(dm.data() + i + k * w), cv[k] = P::vload(c + i + k * w);
-      for (int64_t j = 0; j < n_src; ++j) {
-        const Vec<A> al = splat(alpha[j]), cj = splat(coef[j]), sj = splat(shrink[j]);
-        for (int64_t k = 0; k < U; ++k) {
-          const Vec<A> xv = K::vload(x[j] + i + k * w), g = source_grad(al, dmv[k], cj, cv[k], sj, xv);
-          K::vstore(dx[j] + i + k * w, Accumulate ? K::vload(dx[j] + i + k * w) + g : g);
-          dcv[k] += cj * xv;
+      auto rows = [&]<bool Accumulate>(int64_t from, int64_t to) {
+        for (int64_t j = from; j < to; ++j) {
+          const Vec<A> al = splat(alpha[j]), cj = splat(coef[j]), sj = splat(shrink[j]);
+          for (int64_t k = 0; k < U; ++k) {
+            const Vec<A> xv = K::vload(x[j] + i + k * w), g = source_grad(al, dmv[k], cj, cv[k], sj, xv);
+            K::vstore(dx[j] + i + k * w, Accumulate ? K::vload(dx[j] + i + k * w) + g : g);
+            dcv[k] += cj * xv;
+          }
         }
-      }
+      };
+      rows.template operator()<true>(0, a.n_acc);
+      rows.template operator()<false>(a.n_acc, n_src);
       for (int64_t k = 0; k < U; ++k) P::vstore(dc_acc + i + k * w, P::vload(dc_acc + i + k * w) + dcv[k]);
     };
     int64_t i = 0;
@@ -963,14 +969,14 @@ void backward_token(const BackwardArgs<K>& a, int64_t begin, int64_t end, typena
       for (int64_t j = 0; j < n_src; ++j) {
         const A xv = K::load(x[j][i]);
         const A g = source_grad(alpha[j], dm[i], coef[j], c[i], shrink[j], xv);
-        dx[j][i] = K::store(Accumulate ? K::load(dx[j][i]) + g : g);
+        dx[j][i] = K::store(j < a.n_acc ? K::load(dx[j][i]) + g : g);
         dc_acc[i] += coef[j] * xv;
       }
     }
   }
 }
 
-template <class K, bool Accumulate>
+template <class K>
 void backward_kernel(const BackwardArgs<K>& a, typename K::acc* dc, typename K::acc* d_out_w) {
   using A = typename K::acc;
   const int64_t n_src = int64_t(a.src.size()), d = a.d;
@@ -981,10 +987,10 @@ void backward_kernel(const BackwardArgs<K>& a, typename K::acc* dc, typename K::
   parallel_tokens(a.n_tok, std::max(grain_size(n_src, d), tile), [&](int64_t begin, int64_t end) {
     A* dc_acc = dc_part.data() + at::get_thread_num() * d;
     A* dw_acc = a.out_w ? dw_part.data() + at::get_thread_num() * d : nullptr;
-    if (tile == 1) return backward_token<K, Accumulate>(a, begin, end, dc_acc, dw_acc);
+    if (tile == 1) return backward_token<K>(a, begin, end, dc_acc, dw_acc);
     BackwardScratch<K> s(n_src, d, std::min(tile, end - begin), a.out_w != nullptr);
     for (int64_t n0 = begin; n0 < end; n0 += tile)
-      backward_tile<K, Accumulate>(a, n0, std::min(tile, end - n0), s, dc_acc, dw_acc);
+      backward_tile<K>(a, n0, std::min(tile, end - n0), s, dc_acc, dw_acc);
   });
   for (int64_t t = 0; t < n_threads; ++t) {
     for (int64_t i = 0; i < d; ++i) dc[i] += dc_part[t * d + i];
@@ -1445,12 +1451,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd(
   return forward(p, p.vector(c), out_norm_weight, eps, out_eps);
 }
 
-// The backward with the source gradients written (accumulate: added) into `grads`, R [N, d] contiguous rows.
+// The backward with the source gradients in `grads`, R [N, d] contiguous rows: added onto the first `accumulate`,
+// written into the others.
 std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out,
                                                  const std::optional<at::Tensor>& grad_weights, const Problem& p,
                                                  const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight,
                                                  const at::Tensor& weights, const at::Tensor& rstd, double out_eps,
-                                                 const std::vector<at::Tensor>& grads, bool accumulate) {
+                                                 const std::vector<at::Tensor>& grads, int64_t accumulate) {
   TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(p.shape), "attnres_cpu: grad_out must have the sources' shape");
   auto g = as_rows(grad_out.to(p.dtype), p.n_tok, p.d);
   auto gw = grad_weights ? std::optional(p.rows(*grad_weights, p.n_src)) : std::nullopt;
@@ -1466,25 +1473,27 @@ std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out,
     const auto src = p.source_rows<R>();
     const auto into = pointers<R>(grads);
     const BackwardArgs<K> args{rows_of<const R>(g), data_or_null<A>(gw), src, cv.data_ptr<A>(),
-                               data_or_null<A>(out_w), w.data_ptr<A>(), r.data_ptr<A>(), out_eps, p.n_tok, p.d, into};
-    auto run = accumulate ? backward_kernel<K, true> : backward_kernel<K, false>;
-    run(args, dc.data_ptr<A>(), d_out_w.data_ptr<A>());
+                               data_or_null<A>(out_w), w.data_ptr<A>(), r.data_ptr<A>(), out_eps, p.n_tok, p.d, into,
+                               accumulate};
+    backward_kernel<K>(args, dc.data_ptr<A>(), d_out_w.data_ptr<A>());
   });
   return {dc, d_out_w};
 }
 
-// backward_into with the gradients in `into`: [R, N, d] (any leading dims between), contiguous, the sources' dtype.
+// backward_into with the gradients in `into`: one contiguous CPU tensor per source, of its elements and dtype; the
+// first `accumulate` (0 .. R) are added onto.
 std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out,
                                                  const std::optional<at::Tensor>& grad_weights, const Problem& p,
                                                  const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight,
                                                  const at::Tensor& weights, const at::Tensor& rstd, double out_eps,
-                                                 const at::Tensor& into, bool accumulate) {
-  TORCH_CHECK(into.device().is_cpu() && into.is_contiguous() && into.scalar_type() == p.dtype &&
-                  into.numel() == p.n_src * p.n_tok * p.d,
-              "attnres_cpu: `into` must be a contiguous CPU tensor of R sources' elements in their dtype");
-  std::vector<at::Tensor> grads;
-  for (int64_t j = 0; j < p.n_src; ++j) grads.push_back(into.view({p.n_src, p.n_tok, p.d})[j]);
-  return backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, grads, accumulate);
+                                                 at::TensorList into, int64_t accumulate) {
+  TORCH_CHECK(int64_t(into.size()) == p.n_src && 0 <= accumulate && accumulate <= p.n_src,
+              "attnres_cpu: expected one `into` tensor per source and 0 <= accumulate <= R");
+  for (const auto& t : into)
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == p.dtype &&
+                    t.numel() == p.n_tok * p.d,
+                "attnres_cpu: each `into` tensor must be a contiguous CPU tensor of a source's elements in its dtype");
+  return backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, into.vec(), accumulate);
 }
 
 // backward_into with the gradients written into new rows: (grads, dc, d_out_w).
@@ -1494,7 +1503,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> backward_new(
     double out_eps) {
   auto grads = p.new_sources();
   auto [dc, d_out_w] =
-      backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, grads, false);
+      backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, grads, 0);
   return {grads, dc, d_out_w};
 }
 
@@ -1508,7 +1517,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> depth_attention_bwd(
 std::tuple<at::Tensor, at::Tensor> depth_attention_bwd_into(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
     const at::Tensor& c, const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& weights,
-    const at::Tensor& rstd, double out_eps, const at::Tensor& into, bool accumulate) {
+    const at::Tensor& rstd, double out_eps, at::TensorList into, int64_t accumulate) {
   return backward_into(grad_out, grad_weights, Problem(sources), c, out_norm_weight, weights, rstd, out_eps, into,
                        accumulate);
 }
@@ -1559,7 +1568,7 @@ ParameterGrads point_bwd_into(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
     const at::Tensor& c, const at::Tensor& query, const std::optional<at::Tensor>& gain,
     const std::optional<at::Tensor>& out_norm_weight, const at::Tensor& weights, const at::Tensor& rstd,
-    double out_eps, const at::Tensor& into, bool accumulate) {
+    double out_eps, at::TensorList into, int64_t accumulate) {
   Problem p(sources);
   auto [dc, d_out_w] = backward_into(grad_out, grad_weights, p, c, out_norm_weight, weights, rstd, out_eps, into,
                                      accumulate);
@@ -1660,21 +1669,25 @@ struct Point : torch::autograd::Function<Point> {
   }
 };
 
-// (out, carrier): a point of a Full chain (attnres/ops/chain.py). Only `tracked` are autograd inputs; `older`, a
-// std::vector that autograd does not look into, get their gradients through the carrier.
+// (out, carrier): a point of a chain (attnres/ops/chain.py). Only `tracked` are autograd inputs; `older`, a
+// std::vector that autograd does not look into, get their gradients through the carrier. The carrier handed on covers
+// every source, or all but the newest (`carry_newest` false: no later point reads it).
 struct ChainedPoint : torch::autograd::Function<ChainedPoint> {
   static variable_list forward(AutogradContext* ctx, at::TensorList tracked, const std::vector<at::Tensor>& older,
                                const std::optional<at::Tensor>& carrier, const at::Tensor& query,
                                const std::optional<at::Tensor>& gain,
-                               const std::optional<at::Tensor>& out_norm_weight, double eps, double out_eps) {
+                               const std::optional<at::Tensor>& out_norm_weight, double eps, double out_eps,
+                               bool carry_newest) {
     std::vector<at::Tensor> sources(older);
     sources.insert(sources.end(), tracked.begin(), tracked.end());
     auto [out, weights, rstd, c] = point_fwd(sources, query, gain, out_norm_weight, eps, out_eps);
     SavedPoint::save(ctx, sources, query, gain, out_norm_weight, c, weights, rstd, out_eps);
-    ctx->saved_data["continues"] = carrier.has_value();
+    const int64_t carry = int64_t(sources.size()) - !carry_newest;
+    ctx->saved_data["older"] = int64_t(older.size());
+    ctx->saved_data["carry"] = carry;
     ctx->set_materialize_grads(false);  // an unused carrier ends the chain: no zero buffer for it
     // the carrier's value is nothing: one element, zero strides
-    const auto sizes = rows_shape(int64_t(sources.size()), sources[0]);
+    const auto sizes = rows_shape(carry, sources[0]);
     return {out, at::empty_strided(sizes, std::vector<int64_t>(sizes.size(), 0), sources[0].options())};
   }
 
@@ -1685,25 +1698,23 @@ struct ChainedPoint : torch::autograd::Function<ChainedPoint> {
   static variable_list gradients(AutogradContext* ctx, const variable_list& grads) {
     SavedPoint s(ctx);
     const auto& x = s.sources[0];
-    const bool accumulate = grads[1].defined(), continues = ctx->saved_data["continues"].toBool();
-    // the later points' sums, added onto in place (anything but our own buffer is copied first), or new rows
-    const at::Tensor into = accumulate ? grads[1].contiguous()
-                                       : at::empty(rows_shape(int64_t(s.sources.size()), x), x.options());
+    const int64_t n_src = int64_t(s.sources.size()), older = ctx->saved_data["older"].toInt(),
+                  carry = ctx->saved_data["carry"].toInt();
+    // the carried sources' gradients: the later points' sums, added onto in place (anything but our own buffer is
+    // copied first), or new rows; a source past them (not carried on) gets a new gradient
+    const bool accumulate = grads[1].defined();
+    const at::Tensor carried = accumulate ? grads[1].contiguous() : at::empty(rows_shape(carry, x), x.options());
+    std::vector<at::Tensor> into = carried.unbind(0);
+    for (int64_t j = carry; j < n_src; ++j) into.push_back(at::empty_like(x, at::MemoryFormat::Contiguous));
     // no grad_out where only the carrier is used further on: nothing of this point's own to add (zeros)
     auto [d_query, d_gain, d_norm] =
         point_bwd_into(grad_or_zeros(grads[0], x), std::nullopt, s.sources, s.c, s.query, s.gain, s.out_norm_weight,
-                       s.weights, s.rstd, s.out_eps, into, accumulate);
-    // the newest source is complete; the older ones go on summing in the previous point
-    const int64_t n = into.size(0);
-    variable_list out;
-    if (continues) {
-      out.push_back(into[n - 1]);
-    } else {
-      for (int64_t j = 0; j < n; ++j) out.push_back(into[j]);
-    }
-    at::Tensor back = continues ? into.narrow(0, 0, n - 1) : at::Tensor();
+                       s.weights, s.rstd, s.out_eps, into, accumulate ? carry : 0);
+    // the tracked sources' gradients are complete; the older ones go on summing in the previous point
+    variable_list out(into.begin() + older, into.end());
+    at::Tensor back = older > 0 ? carried.narrow(0, 0, older) : at::Tensor();
     out.insert(out.end(), {at::Tensor(), back, d_query, d_gain.value_or(at::Tensor()),
-                           d_norm.value_or(at::Tensor()), {}, {}});
+                           d_norm.value_or(at::Tensor()), {}, {}, {}});
     return out;
   }
 };
@@ -1720,8 +1731,9 @@ std::tuple<at::Tensor, at::Tensor> chained_point(at::TensorList tracked, at::Ten
                                                  const std::optional<at::Tensor>& carrier, const at::Tensor& query,
                                                  const std::optional<at::Tensor>& gain,
                                                  const std::optional<at::Tensor>& out_norm_weight, double eps,
-                                                 double out_eps) {
-  auto r = ChainedPoint::apply(tracked, older.vec(), carrier, query, gain, out_norm_weight, eps, out_eps);
+                                                 double out_eps, bool carry_newest) {
+  auto r = ChainedPoint::apply(tracked, older.vec(), carrier, query, gain, out_norm_weight, eps, out_eps,
+                               carry_newest);
   return {r[0], r[1]};
 }
 
@@ -1990,7 +2002,7 @@ TORCH_LIBRARY(attnres_cpu, m) {
   m.def("depth_attention_bwd(Tensor grad_out, Tensor? grad_weights, Tensor[] sources, Tensor c,"
         " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps) -> (Tensor[], Tensor, Tensor)");
   m.def("depth_attention_bwd_into(Tensor grad_out, Tensor? grad_weights, Tensor[] sources, Tensor c,"
-        " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps, Tensor(a!) into, bool accumulate)"
+        " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps, Tensor(a!)[] into, int accumulate)"
         " -> (Tensor, Tensor)");
   m.def("point_fwd(Tensor[] sources, Tensor query, Tensor? gain, Tensor? out_norm_weight, float eps, float out_eps)"
         " -> (Tensor, Tensor, Tensor, Tensor)");
@@ -1998,12 +2010,12 @@ TORCH_LIBRARY(attnres_cpu, m) {
         " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps)"
         " -> (Tensor[], Tensor, Tensor?, Tensor?)");
   m.def("point_bwd_into(Tensor grad_out, Tensor? grad_weights, Tensor[] sources, Tensor c, Tensor query, Tensor? gain,"
-        " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps, Tensor(a!) into, bool accumulate)"
+        " Tensor? out_norm_weight, Tensor weights, Tensor rstd, float out_eps, Tensor(a!)[] into, int accumulate)"
         " -> (Tensor, Tensor?, Tensor?)");
   m.def("point(Tensor[] sources, Tensor query, Tensor? gain, Tensor? out_norm_weight, float eps, float out_eps)"
         " -> (Tensor, Tensor, Tensor)");
   m.def("chained_point(Tensor[] tracked, Tensor[] older, Tensor? carrier, Tensor query, Tensor? gain,"
-        " Tensor? out_norm_weight, float eps, float out_eps) -> (Tensor, Tensor)");
+        " Tensor? out_norm_weight, float eps, float out_eps, bool carry_newest) -> (Tensor, Tensor)");
   m.def("depth_stats_fwd(Tensor[] sources, Tensor cs, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("depth_stats_bwd(Tensor grad_z, Tensor grad_u, Tensor[] sources, Tensor cs, Tensor m, Tensor rstd)"
         " -> (Tensor[], Tensor)");

@@ -282,12 +282,12 @@ def depth_attention_fwd_kernel(
 @row_tiles(key=["D", "OUT_NORM", "HAS_GRAD_WEIGHTS", "DTYPE", "ACCUMULATE"], tiles=(1024, 4096), prune=tiles_within(32))
 @triton.jit
 def depth_attention_bwd_kernel(
-    table, c, out_weight, grad_out, grad_weights, weights, rstd, dc_part, dow_part, N, R, programs, out_eps,
+    table, c, out_weight, grad_out, grad_weights, weights, rstd, dc_part, dow_part, N, R, programs, out_eps, n_acc,
     D: tl.constexpr, D_PAD: tl.constexpr, OUT_NORM: tl.constexpr, HAS_GRAD_WEIGHTS: tl.constexpr,
     DTYPE: tl.constexpr, ALIGNED: tl.constexpr, ACCUMULATE: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Persistent: program p takes token blocks p, p + programs, ...; the table holds R sources, then R grads (which
-    the gradients are added onto with ACCUMULATE)."""
+    """Persistent: program p takes token blocks p, p + programs, ...; the table holds R sources, then R grads (the
+    first n_acc of which the gradients are added onto, with ACCUMULATE; the others written)."""
     pid = tl.program_id(0)
     n64 = tl.cast(N, tl.int64)  # N == 1 arrives as a constant (no .to)
     cols = tl.arange(0, D_PAD)
@@ -325,7 +325,8 @@ def depth_attention_bwd_kernel(
             dx = a[:, None] * dm + coef[:, None] * cv[None, :] - (coef * s * r / D)[:, None] * x
             dst = row_pointers(table, R + j, rows, cols, DTYPE, ALIGNED)
             if ACCUMULATE:
-                dx += tl.load(dst, mask=mask, other=0.0).to(tl.float32)
+                if j < n_acc:
+                    dx += tl.load(dst, mask=mask, other=0.0).to(tl.float32)
             tl.store(dst, dx.to(DTYPE), mask=mask)
             dc += tl.sum(coef[:, None] * x, 0)
 
@@ -359,16 +360,17 @@ def triton_depth_attention_bwd(grad_out, grad_weights, sources, c, out_norm_weig
     xs = flat_sources(sources)
     n, d = xs[0].shape
     grads = [torch.empty((n, d), dtype=x.dtype, device=x.device) for x in xs]
-    dc, dow = _backward(grad_out, grad_weights, xs, c, out_norm_weight, weights, rstd, out_eps, grads, False)
+    dc, dow = _backward(grad_out, grad_weights, xs, c, out_norm_weight, weights, rstd, out_eps, grads, 0)
     return [g.reshape(x.shape) for g, x in zip(grads, sources)], dc, dow
 
 
 def triton_depth_attention_bwd_into(
     grad_out, grad_weights, sources, c, out_norm_weight, weights, rstd, eps, out_eps, into, accumulate
 ):
-    """Kernel of `depth_attention_bwd_into`: the source gradients written, or added, into `into` in place."""
+    """Kernel of `depth_attention_bwd_into`: the source gradients added onto the first `accumulate` tensors of `into`
+    (one per source), written into the others, in place."""
     xs = flat_sources(sources)
-    grads = list(into.view(len(xs), *xs[0].shape).unbind(0))
+    grads = [g.view(x.shape) for g, x in zip(into, xs)]
     return _backward(grad_out, grad_weights, xs, c, out_norm_weight, weights, rstd, out_eps, grads, accumulate)
 
 
@@ -384,8 +386,8 @@ def _backward(grad_out, grad_weights, xs, c, out_norm_weight, weights, rstd, out
         depth_attention_bwd_kernel[(programs,)](
             table, c.float().contiguous(), contiguous_or_none(out_norm_weight), grad_out.reshape(n, d).contiguous(), gw,
             weights.reshape(R, n).contiguous(), rstd.reshape(R, n).contiguous(), dc_part, dow_part,
-            n, R, programs, out_eps,
+            n, R, programs, out_eps, accumulate,
             D=d, D_PAD=padded_width(d), OUT_NORM=out_norm_weight is not None, HAS_GRAD_WEIGHTS=gw is not None,
-            DTYPE=TORCH_TO_TRITON[xs[0].dtype], ALIGNED=aligned, ACCUMULATE=accumulate,
+            DTYPE=TORCH_TO_TRITON[xs[0].dtype], ALIGNED=aligned, ACCUMULATE=accumulate > 0,
         )
     return dc_part.sum(0), dow_part.sum(0)
