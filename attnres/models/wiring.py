@@ -85,9 +85,9 @@ _CHAIN = contextvars.ContextVar("attn_res_chain", default=True)
 
 @contextlib.contextmanager
 def unchained_points():
-    """Within the block, Full's and Block's training forwards run their points one at a time instead of as a chain: the
-    same gradients, summed by autograd (for comparisons; docs/design.md section 3). A backward that replays a checkpointed
-    layer must run within it too."""
+    """Within the block, Full's and Block's training forwards run their points one at a time instead of as a chain:
+    the same gradients, summed by autograd (for comparisons; docs/design.md section 3). A backward that replays a
+    checkpointed layer must run within it too."""
     token = _CHAIN.set(False)
     try:
         yield
@@ -102,8 +102,8 @@ def residual_for(
     """The residual object of a forward (or of a layer or final read run alone) over `points`.
 
     `backward`: the forward has a backward, or reentrant checkpointing will replay it with one: the autograd residuals
-    (Full's and Block's one-shot points a chain, except where traced, as `torch.compile` takes the functional op, or within
-    `unchained_points()`). Otherwise the inference backends: Block's fused bank (docs/design.md section 5) and
+    (Full's and Block's one-shot points a chain, except where traced, as `torch.compile` takes the functional op, or
+    within `unchained_points()`). Otherwise the inference backends: Block's fused bank (docs/design.md section 5) and
     Full's direct kernel calls; `layerwise` where each layer's weights are at hand during its own forward only (FSDP2).
     Full's phase-1 groups are as `attn_res_full_group` sets them; chosen (None), none under FSDP2 or activation
     `checkpointing`, which keeps only each layer's input (a group keeps each point's u, `[tokens, d]` fp32).

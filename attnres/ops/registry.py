@@ -30,7 +30,7 @@ BACKEND_CHOICES = ("auto", "torch")
 
 OPS = (
     "depth_attention_fwd", "depth_attention_bwd",
-    "depth_attention_bwd_into",  # the backward writing (or adding) the source gradients into a buffer (ops/chain.py)
+    "depth_attention_bwd_into",  # the backward writing (or adding) the source gradients in place (ops/chain.py)
     # a point from its parameters: the query folded and its gradients formed in the same call (point_fwd_from)
     "point_fwd", "point_bwd", "point_bwd_into",
     # a point as one op with its own autograd node on plain tensors: depth_attention's and depth_attention_chained's

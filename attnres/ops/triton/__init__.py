@@ -2,7 +2,7 @@
 
 Each launcher is a kernel of an op whose contract (arguments, results, checks) is written on the op, so a dispatcher
 can route CUDA tensors here: `triton_depth_attention_fwd/bwd` for `attnres::depth_attention_fwd/bwd` (and
-`triton_depth_attention_bwd_into` for `depth_attention_bwd_into`, the backward of a chain of Full points),
+`triton_depth_attention_bwd_into` for `depth_attention_bwd_into`, the backward of a chain of points),
 `triton_depth_stats_fwd/bwd` for `attnres::depth_stats_fwd/bwd`, `triton_merge_prefix_fwd/bwd` for
 `attnres::merge_prefix_fwd/bwd` (phase 2), and `triton_bank_aggregate/merge` for the fused inference ops
 `attnres.ops.bank.bank_aggregate/merge`. They take float32, bfloat16 and float16 sources with
