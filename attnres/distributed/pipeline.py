@@ -181,16 +181,21 @@ class PipelineChunk(nn.Module):
 
     forward: chunk 0 takes input_ids `[b, T]`; later chunks take ([rows `[n, b, T, d]`,] head `[b, T, d]`) as the
     plan sends them (no rows tensor when n = 0; no head for Full). It returns the same for the next chunk, or, for
-    the last, the logits `[b, T, vocab]`. Parameters are the model's own (shared, not copied).
+    the last, the logits `[b, T, vocab]`. Parameters are the model's own (shared, not copied). `chained`: the layers'
+    points form chains in training (`attnres.ops.chain`); not where the schedule splits the backward (zero bubble),
+    whose weight pass runs parts of the backward again from the gradients its input pass kept, where a chained point
+    would add into its gradient buffer in place once more.
     """
 
     def __init__(self, model: nn.Module, plan: PipelinePlan, index: int, cache: RowCache, traffic: HopTraffic,
-                 tp=None):
+                 tp=None, chained: bool = True):
         super().__init__()
         inner = model.model
         self.plan, self.index, self.cache, self.traffic, self.tp = plan, index, cache, traffic, tp
         self.is_first, self.is_last = index == 0, index == plan.num_stages - 1
         self.layers = nn.ModuleList(inner.layers[i] for i in plan.layers(index))
+        for layer in self.layers:
+            layer.chained = chained
         if self.is_first:
             self.embed_tokens = inner.embed_tokens
         if self.is_last:
@@ -356,7 +361,8 @@ class PipelineTrainer:
             from attnres.distributed.tensor_parallel import parallelize_tensor
 
             self.tp = parallelize_tensor(model, tp_mesh)
-        self.chunks = [PipelineChunk(model, self.plan, c, self.cache, self.traffic, self.tp)
+        self.chunks = [PipelineChunk(model, self.plan, c, self.cache, self.traffic, self.tp,
+                                     chained=schedule != "zero-bubble")
                        for c in range(self.rank, self.plan.num_stages, ranks)]
         if dp_mesh is not None:
             from attnres.distributed.data_parallel import shard_chunk

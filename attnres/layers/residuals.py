@@ -206,6 +206,14 @@ class Residual:
         out = at(sources, norm, out_eps=self._out_eps(norm, R))
         return out if norm is not None else self._finish_unfused(out, R)
 
+    def _chained(self, point: int, sources: Sequence[torch.Tensor], carrier: torch.Tensor | None, norm,
+                 carry_newest: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_mix` as a point of a chain (`attnres.ops.chain`): (the read's output, this point's carrier)."""
+        R = len(sources)
+        out, carrier = self.points[point].chained(sources, carrier, norm, out_eps=self._out_eps(norm, R),
+                                                  carry_newest=carry_newest)
+        return (out if norm is not None else self._finish_unfused(out, R)), carrier
+
 
 class StandardResidual(Residual):
     """The PreNorm baseline: the running sum of the embedding and every sublayer output."""
@@ -254,23 +262,19 @@ class FullResidual(Residual):
         return ResidualState(rows=(embedding,))
 
     def _read(self, state, point, norm):
-        sources = state.rows
-        R = len(sources)
-        stats = state.stats
+        sources, stats = state.rows, state.stats
         if self.group is None:
             self.group = FULL_GROUP if full_groups_pay(sources[0], len(self.points)) else 0
         if self.group > 1 and (stats is None or not stats[0] <= point < stats[1]):
             stats, carrier = self._score(sources, point, state.carrier)
             state = state._replace(carrier=carrier)
         if stats is not None:
-            out = self._merge_sources(point, stats, sources, norm)
             state = ResidualState(sources, carrier=state.carrier, stats=None if point + 1 == stats[1] else stats)
-        elif self.chain:
-            out, carrier = self.points[point].chained(sources, state.carrier, norm, out_eps=self._out_eps(norm, R))
-            state = state._replace(carrier=carrier)
-        else:
-            return self._mix(point, sources, norm), state._replace(carrier=None)
-        return (out if norm is not None else self._finish_unfused(out, R)), state
+            return self._merge_sources(point, stats, sources, norm), state
+        if self.chain:
+            out, carrier = self._chained(point, sources, state.carrier, norm)
+            return out, state._replace(carrier=carrier)
+        return self._mix(point, sources, norm), state._replace(carrier=None)
 
     def write(self, state, output):
         return ResidualState((*state.rows, output), None, state.carrier, state.stats)
@@ -290,8 +294,10 @@ class FullResidual(Residual):
     def _merge_sources(self, point, stats, sources, norm) -> torch.Tensor:
         """Phase 2: this point's phase-1 statistics merged with the sources written since its group's first point."""
         start, _, scored = stats
-        return merge_sources(scored[point - start], sources[start + 1:],
-                             **self._merge_arguments(point, norm, len(sources)), dtype=sources[0].dtype)
+        R = len(sources)
+        out = merge_sources(scored[point - start], sources[start + 1:], **self._merge_arguments(point, norm, R),
+                            dtype=sources[0].dtype)
+        return out if norm is not None else self._finish_unfused(out, R)
 
 
 class BlockResidual(Residual):
@@ -353,10 +359,8 @@ class BlockResidual(Residual):
         if not self.chain:
             return self._mix(point, sources, norm), state
         # the carrier goes on with the bank rows; the prefix is read again only within the next prefix
-        R = len(sources)
-        out, carrier = self.points[point].chained(sources, carrier, norm, out_eps=self._out_eps(norm, R),
-                                                  carry_newest=prefix is None)
-        return (out if norm is not None else self._finish_unfused(out, R)), state._replace(carrier=carrier)
+        out, carrier = self._chained(point, sources, carrier, norm, carry_newest=prefix is None)
+        return out, state._replace(carrier=carrier)
 
     def write(self, state, output):
         head = output if state.head is None else state.head + output

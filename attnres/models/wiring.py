@@ -97,13 +97,13 @@ def unchained_points():
 
 def residual_for(
     config, points, *, backward: bool, records: Records | None = None, layerwise: bool = False,
-    checkpointing: bool = False,
+    checkpointing: bool = False, chain: bool = True,
 ) -> Residual:
     """The residual object of a forward (or of a layer or final read run alone) over `points`.
 
     `backward`: the forward has a backward, or reentrant checkpointing will replay it with one: the autograd residuals
     (Full's and Block's one-shot points a chain, except where traced, as `torch.compile` takes the functional op, or
-    within `unchained_points()`). Otherwise the inference backends: Block's fused bank (docs/design.md section 5) and
+    within `unchained_points()`, or without `chain`). Otherwise the inference backends: Block's fused bank (docs/design.md section 5) and
     Full's direct kernel calls; `layerwise` where each layer's weights are at hand during its own forward only (FSDP2).
     Full's phase-1 groups are as `attn_res_full_group` sets them; chosen (None), none under FSDP2 or activation
     `checkpointing`, which keeps only each layer's input (a group keeps each point's u, `[tokens, d]` fp32).
@@ -121,7 +121,7 @@ def residual_for(
         record=records,
         inference=not backward,
         layerwise=layerwise,
-        chain=backward and not torch.compiler.is_compiling() and _CHAIN.get(),
+        chain=chain and backward and not torch.compiler.is_compiling() and _CHAIN.get(),
         full_group=group,
     )
 
@@ -131,7 +131,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     the K3-named pseudo-queries and key norms of its two aggregation points.
 
     `sides` is what the family layer computes in each sublayer (`attnres.models.family.Sublayer`): the model's
-    `attn_res_layer_plan`, installed by `install_plan`. Activation checkpointing (`gradient_checkpointing_enable`,
+    `attn_res_layer_plan`, installed by `install_plan`. `chained`: run alone (a pipeline stage), its points form chains
+    in training (`attnres.ops.chain`); a stage whose schedule runs parts of the backward twice turns it off. Activation checkpointing (`gradient_checkpointing_enable`,
     or torch's `checkpoint_wrapper`) recomputes the whole layer from the state it took.
     """
 
@@ -149,6 +150,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.sides: tuple[Sublayer, Sublayer] | None = None
         self._family_norms: dict[str, type] = {}
         self._held: dict[str, frozenset[str]] = {}
+        self.chained = True
         standard = config.residual == STANDARD
         self.points: tuple[NamedPoint, ...] = () if standard else add_points(self, SIDE_NAMES, dim, eps)
 
@@ -202,7 +204,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         """The residual object of this layer run outside a model's forward (a pipeline stage): over its own points."""
         points = {2 * self.layer_idx + k: point for k, point in enumerate(self.points)}
         backward = torch.is_grad_enabled() or (self.gradient_checkpointing and self.training)
-        return residual_for(self.attn_res_config, points, backward=backward)
+        return residual_for(self.attn_res_config, points, backward=backward, chain=self.chained)
 
 
 def passed_on_as_views(state: ResidualState, given) -> ResidualState:

@@ -37,7 +37,7 @@ from attnres.ops.registry import kernel, portable
 
 
 def check_carrier(carrier: torch.Tensor | None, sources: list[torch.Tensor]) -> None:
-    """A carrier continues a chain: it was made by a point with one source fewer, on these sources' dtype and device."""
+    """A carrier continues a chain: the previous point's, covering all but the newest of these sources."""
     if carrier is None:
         return
     x = sources[0]
@@ -48,11 +48,30 @@ def check_carrier(carrier: torch.Tensor | None, sources: list[torch.Tensor]) -> 
             f"carrier: expected the carrier of the previous point, shaped [R - 1, ..., d] = {expected} for R = "
             f"{len(sources)} sources, got {got}"
         )
+    check_carrier_like(carrier, x)
+
+
+def check_carrier_like(carrier: torch.Tensor, x: torch.Tensor) -> None:
+    """A carrier of a chain over sources like `x`: of their dtype and device."""
     if carrier.dtype != x.dtype or carrier.device != x.device:
         raise ValueError(
             f"carrier: expected the sources' dtype and device ({x.dtype}, {x.device}), got {carrier.dtype}, "
             f"{carrier.device}"
         )
+
+
+def placeholder(rows: int, x: torch.Tensor) -> torch.Tensor:
+    """A carrier's value: nothing, shaped `[rows, *x.shape]` (one element, zero strides; one op)."""
+    return torch.empty_strided((rows, *x.shape), (0,) * (x.dim() + 1), dtype=x.dtype, device=x.device)
+
+
+def carried_sums(grad_carrier: torch.Tensor | None, rows: int, x: torch.Tensor) -> torch.Tensor:
+    """The buffer a link of a chain adds its gradients onto: the later links' sums (its carrier's gradient; anything
+    but a contiguous buffer is copied first), or a new one of `rows` rows like `x` where no later link took the
+    carrier."""
+    if grad_carrier is None:
+        return torch.empty((rows, *x.shape), dtype=x.dtype, device=x.device)
+    return grad_carrier if grad_carrier.is_contiguous() else grad_carrier.contiguous()
 
 
 class _ChainedPoint(torch.autograd.Function):
@@ -72,8 +91,7 @@ class _ChainedPoint(torch.autograd.Function):
         ctx.eps, ctx.out_eps, ctx.older = eps, out_eps, len(older)
         ctx.carry = len(sources) - (not carry_newest)
         ctx.set_materialize_grads(False)  # an unused carrier ends the chain: no zero buffer for it
-        # the carrier: one element, zero strides (one op)
-        return out, torch.empty_strided((ctx.carry, *x.shape), (0,) * (x.dim() + 1), dtype=x.dtype, device=x.device)
+        return out, placeholder(ctx.carry, x)
 
     @staticmethod
     @once_differentiable  # the kernels are not differentiable: a second derivative raises instead of missing terms
@@ -81,11 +99,7 @@ class _ChainedPoint(torch.autograd.Function):
         c, query, gain, out_norm_weight, weights, rstd, *sources = ctx.saved_tensors
         x = sources[0]
         accumulate = grad_carrier is not None
-        if accumulate:
-            # the later points' sums, added onto in place; anything but our own contiguous buffer is copied first
-            carried = grad_carrier if grad_carrier.is_contiguous() else grad_carrier.contiguous()
-        else:
-            carried = torch.empty((ctx.carry, *x.shape), dtype=x.dtype, device=x.device)
+        carried = carried_sums(grad_carrier, ctx.carry, x)
         # a newest source not carried on gets a fresh gradient
         into = [*carried.unbind(0), *(torch.empty_like(x) for _ in range(len(sources) - ctx.carry))]
         # no grad_out where only the carrier is used further on: nothing of this point's own to add (zeros)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from attnres.ops.chain import carried_sums, check_carrier_like, placeholder
 from attnres.ops.checks import check_depth_stats, check_eps, check_vector
 from attnres.ops.depth_attention import (
     accumulator_dtype,
@@ -224,10 +225,8 @@ class _ChainedStats(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused carrier ends the chain: no zero buffer for it
         shift = m.reshape(lead)
         ctx.mark_non_differentiable(shift)  # a stop-gradient shift, as depth_stats' m
-        x = sources[0]
-        placeholder = torch.empty_strided((len(sources), *x.shape), (0,) * (x.dim() + 1), dtype=x.dtype,
-                                          device=x.device)
-        return shift, *z.reshape(lead).unbind(0), *u.reshape(*lead, cs.shape[1]).unbind(0), placeholder
+        return (shift, *z.reshape(lead).unbind(0), *u.reshape(*lead, cs.shape[1]).unbind(0),
+                placeholder(len(sources), sources[0]))
 
     @staticmethod
     @once_differentiable  # the kernels are not differentiable: a second derivative raises instead of missing terms
@@ -237,10 +236,7 @@ class _ChainedStats(torch.autograd.Function):
         grad_z = torch.stack([torch.zeros_like(m[q]) if g is None else g.reshape(m[q].shape)
                               for q, g in enumerate(grads[:S])])
         accumulate = grad_carrier is not None
-        if accumulate:  # the later links' sums, added onto in place; anything but a contiguous buffer is copied first
-            into = grad_carrier if grad_carrier.is_contiguous() else grad_carrier.contiguous()
-        else:
-            into = torch.empty((len(sources), *x.shape), dtype=x.dtype, device=x.device)
+        into = carried_sums(grad_carrier, len(sources), x)
         bwd = _phase1_kernel("depth_stats_bwd_into", sources, cs)
         dcs = bwd(grad_z, list(grads[S:2 * S]), sources, cs, m, rstd, ctx.eps, into, accumulate)
         back = into[: ctx.older] if ctx.older else None
@@ -272,9 +268,7 @@ def check_stats_carrier(carrier: torch.Tensor | None, sources: list[torch.Tensor
         got = tuple(carrier.shape) if isinstance(carrier, torch.Tensor) else type(carrier).__name__
         raise ValueError(f"carrier: expected an earlier phase 1's carrier, [R' < {len(sources)}, *{tuple(x.shape)}], "
                          f"got {got}")
-    if carrier.dtype != x.dtype or carrier.device != x.device:
-        raise ValueError(f"carrier: expected the sources' dtype and device ({x.dtype}, {x.device}), got "
-                         f"{carrier.dtype}, {carrier.device}")
+    check_carrier_like(carrier, x)
 
 
 def depth_stats_per_query(

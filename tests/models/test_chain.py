@@ -110,3 +110,16 @@ def test_checkpointed_chains_give_the_functional_gradients(use_reentrant, kind, 
     model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
     assert_steps_agree(training_step(model), want, exact=True)
 
+
+
+@pytest.mark.parametrize("kind", CHAINS)
+def test_a_layer_run_alone_chains_unless_told_not_to(kind):
+    """A layer run alone (a pipeline stage) chains its points in training; with `chained = False` (a zero-bubble stage,
+    whose weight pass runs parts of the backward again, where a chained point would add into its gradient buffer once
+    more) they run point by point."""
+    model = make_model(**CHAINS[kind])
+    hidden, kwargs = model.layer_inputs(input_ids=torch.arange(8)[None] % 64)[0]
+    layer = model.model.layers[0]
+    assert layer(hidden, **kwargs).carrier is not None
+    layer.chained = False
+    assert layer(hidden, **kwargs).carrier is None

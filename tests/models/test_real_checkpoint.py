@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from attnres import convert_from_hf
 from attnres.cli import main
-from attnres.models import AttnResForCausalLM
+from attnres.models import AttnResForCausalLM, wiring
 from tests import TOL, error_ratios
 from tests.models.test_real_magnitudes import assert_as_close_as_the_original, logits
 
@@ -211,29 +211,59 @@ def training_gradients(model, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor
     return grads, seen == [True]
 
 
-def test_full_trains_in_groups_as_close_to_float64_as_the_chain(zoo):
-    """A Full model trains its points in phase-1 groups on the CPU (docs/design.md section 4). At the real stream's
-    magnitudes every gradient stays within 4x the chain's own distance from float64 (plus a floor of a tenth of fp32's
-    parity bound), as on random weights (tests/layers/test_full_groups.py). The pseudo-queries are set off zero, so
-    that the depth softmax is not uniform."""
-    model = copy.deepcopy(zoo.model("full"))
+def with_queries_off_zero(model):
+    """A copy of `model` with every pseudo-query set off zero, so that the depth softmax is not uniform."""
+    model = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "_res_proj." in name:
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def assert_as_close_to_float64(exact: dict, got: dict, baseline: dict, factor: float, what: str) -> None:
+    """Every gradient in `got` within `factor` times `baseline`'s distance from the float64 gradients `exact`, plus a
+    floor of a tenth of fp32's parity bound (relative RMS errors)."""
+    floor = 0.1 * TOL[torch.float32].rms
+    for name, ref in exact.items():
+        assert (got[name] is None) == (baseline[name] is None) == (ref is None), name
+        if ref is not None:
+            err, base_err = error_ratios(ref, got[name])[0], error_ratios(ref, baseline[name])[0]
+            assert err <= factor * base_err + floor, f"{name}: relative RMS error {err:.1e}, {what} {base_err:.1e}"
+
+
+def test_full_trains_in_groups_as_close_to_float64_as_the_chain(zoo):
+    """A Full model trains its points in phase-1 groups on the CPU (docs/design.md section 4). At the real stream's
+    magnitudes every gradient stays within 4x the chain's own distance from float64, as on random weights
+    (tests/layers/test_full_groups.py)."""
+    model = with_queries_off_zero(zoo.model("full"))
     ids = zoo.text_ids[:, :64]
     exact, _ = training_gradients(copy.deepcopy(model).double(), ids)
     grouped, in_groups = training_gradients(model, ids)
     model.config.attn_res_full_group = 0
     chained, in_chain_groups = training_gradients(model, ids)
     assert in_groups and not in_chain_groups
-    floor = 0.1 * TOL[torch.float32].rms
-    for name, ref in exact.items():
-        assert (grouped[name] is None) == (chained[name] is None) == (ref is None), name
-        if ref is not None:
-            err, chain_err = error_ratios(ref, grouped[name])[0], error_ratios(ref, chained[name])[0]
-            assert err <= 4 * chain_err + floor, f"{name}: relative RMS error {err:.1e}, the chain's {chain_err:.1e}"
+    assert_as_close_to_float64(exact, grouped, chained, 4, "the chain's")
+
+
+def test_block_trains_as_a_chain_as_close_to_float64_as_point_by_point(zoo):
+    """A Block model's training points form a chain whose carrier covers the bank rows (attnres/ops/chain.py). At the
+    real stream's magnitudes every gradient stays within 2x the point-by-point path's distance from float64, the
+    bound of the low-precision chains on random weights (tests/ops/test_chain.py)."""
+    model = with_queries_off_zero(zoo.model("block"))
+    ids = zoo.text_ids[:, :64]
+    exact, _ = training_gradients(copy.deepcopy(model).double(), ids)
+    carriers = []
+    hook = model.model.layers[-1].register_forward_hook(lambda m, a, out: carriers.append(out.carrier))
+    try:
+        chained, _ = training_gradients(model, ids)
+        with wiring.unchained_points():
+            plain, _ = training_gradients(model, ids)
+    finally:
+        hook.remove()
+    assert carriers[0] is not None and carriers[1] is None  # the chain ran, and only outside unchained_points()
+    assert_as_close_to_float64(exact, chained, plain, 2, "point by point")
 
 
 def test_a_lora_step_trains_the_adapter_and_the_attnres_parameters(zoo):

@@ -1702,8 +1702,7 @@ struct ChainedPoint : torch::autograd::Function<ChainedPoint> {
                   carry = ctx->saved_data["carry"].toInt();
     // the carried sources' gradients: the later points' sums, added onto in place (anything but our own buffer is
     // copied first), or new rows, on huge pages where the system has them (every earlier point of the chain reads and
-    // writes them: in fp32 on 4 KiB pages a Block chain's step measured about 1 % slower); a source past them (not
-    // carried on) gets a new gradient
+    // writes them, all of them at each Block point); a source past them (not carried on) gets a new gradient
     const bool accumulate = grads[1].defined();
     const at::Tensor carried = accumulate ? grads[1].contiguous() : new_output(rows_shape(carry, x), x.scalar_type());
     std::vector<at::Tensor> into = carried.unbind(0);
