@@ -26,7 +26,7 @@ import torch
 from attnres.layers.depth_attention import stacked_weights, weight_of
 from attnres.layers.residuals import BlockResidual, ReadsWithoutAutograd
 from attnres.ops.bank import bank_aggregate_op, bank_merge_op, bank_rows
-from attnres.ops.depth_attention import accumulator_dtype, flat_tokens, fold_queries
+from attnres.ops.depth_attention import accumulator_dtype, fold_queries
 from attnres.ops.registry import kernel
 from attnres.ops.two_phase import depth_stats_fwd
 
@@ -35,19 +35,21 @@ MIN_TWO_PHASE_TOKENS = 256
 
 
 class BankState(NamedTuple):
-    """Block's residual state at inference, tokens flattened to N.
+    """Block's residual state at inference.
 
-    bank: `[N, NB, d]`, its first rows complete (as many as write layers have been read); prefix: `[N, d]`, the
-    current block's partial sum without the pending output (at layer 0 the embedding itself, later a buffer of the
-    forward's own; None right after a write point: the pending output starts the next); pending: the last sublayer
-    output, which the next read adds into the prefix; shape: the tokens' shape `[..., d]`; stats: phase 1 of points
-    `range(start, stop)` as `(start, stop, (m, z, u))`.
+    bank: `[N, NB, d]` for the N tokens, its first rows complete (as many as write layers have been read); prefix: the
+    current block's partial sum without the pending output, in the tokens' shape `[..., d]` (at layer 0 the embedding
+    itself, later a buffer of the forward's own; None right after a write point: the pending output starts the next);
+    pending: the last sublayer output, which the next read adds into the prefix; stats: phase 1 of points
+    `range(start, stop)` as `(start, stop, (m, z, u))`, each `[N, ...]`.
+
+    The bank ops take the prefix and the output in the tokens' shape and return the mixture in it: at decode a view
+    per point costs about as much as the kernel's mixing.
     """
 
     bank: torch.Tensor
     prefix: torch.Tensor | None
     pending: torch.Tensor | None
-    shape: torch.Size
     stats: tuple | None = None
 
     @property
@@ -79,12 +81,12 @@ class BlockBank(ReadsWithoutAutograd, BlockResidual):
         return range(point, min(self.block_end(point), self.end_point))
 
     def start(self, embedding):
-        x = flat_tokens(embedding)
-        bank = x.new_empty(x.shape[0], self.num_bank_rows, x.shape[1])
-        return BankState(bank, prefix=x, pending=None, shape=embedding.shape)
+        d = embedding.shape[-1]
+        bank = embedding.new_empty(embedding.numel() // d, self.num_bank_rows, d)
+        return BankState(bank, prefix=embedding.contiguous(), pending=None)
 
     def write(self, state, output):
-        return BankState(state.bank, state.prefix, flat_tokens(output), state.shape, state.stats)
+        return BankState(state.bank, state.prefix, output, state.stats)
 
     def filled(self, point: int) -> int:
         """Bank rows complete before `point` reads: one per write layer before it (and its own layer's, past its
@@ -93,7 +95,7 @@ class BlockBank(ReadsWithoutAutograd, BlockResidual):
         return -(-layer // self.block_size) if point % 2 == 0 else layer // self.block_size + 1
 
     def _read_no_grad(self, state, point, norm):
-        bank, prefix, pending, shape, stats = state
+        bank, prefix, pending, stats = state
         if self._aggregate is None:
             self._bind(bank)
         query, gain, eps = self.points[point].weights()
@@ -109,14 +111,13 @@ class BlockBank(ReadsWithoutAutograd, BlockResidual):
             self._merge = getattr(self._merge, "kernel", self._merge)
         else:
             mix = self._aggregate(bank, nvb, prefix, pending, query, gain, out_w, eps, out_eps, write)
-            # checked once per forward: every later call passes the same bank and prefix buffers, a pending output
-            # reshaped by `write`, and the same kind of [1, d] and [d] weights; at decode the checks cost as much as
-            # the kernel
+            # checked once per forward: every later call passes the same bank, a prefix and a pending output of the
+            # tokens' shape, and the same kind of [1, d] and [d] weights; at decode the checks cost as much as the
+            # kernel
             self._aggregate = getattr(self._aggregate, "kernel", self._aggregate)
         if write or (stats is not None and point + 1 == stats[1]):
             stats = None
-        mix = mix.view(shape)  # every backend's output is contiguous
-        state = BankState(bank, None if write else prefix, None, shape, stats)
+        state = BankState(bank, None if write else prefix, None, stats)
         return (mix if norm is not None else self._finish_unfused(mix, nvb + 1)), state
 
     def _bind(self, x: torch.Tensor) -> None:

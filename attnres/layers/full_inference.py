@@ -28,7 +28,6 @@ import torch
 
 from attnres.layers.depth_attention import weight_of
 from attnres.layers.residuals import FullResidual, ReadsWithoutAutograd, ResidualState
-from attnres.ops.depth_attention import flat_tokens
 from attnres.ops.registry import kernel
 
 # the most bytes of a forward's bank (see the module docstring): SmolLM2-135M's up to 59 tokens in fp32, 119 in bf16
@@ -36,11 +35,12 @@ BANK_BYTES = 8 * 2**20
 
 
 class FullBankState(NamedTuple):
-    """Full's residual state in a bank, tokens flattened to N.
+    """Full's residual state in a bank.
 
-    bank: `[N, 2L + 1, d]`, its first `count` rows the sources so far; pending: the newest source `[N, d]` (the
-    embedding, then the last sublayer output), which the next read writes into row `count`; shape: the tokens' shape
-    `[..., d]`.
+    bank: `[N, 2L + 1, d]` for the N tokens, its first `count` rows the sources so far; pending: the newest source in
+    the tokens' shape (the embedding, then the last sublayer output), which the next read writes into row `count` (the
+    bank op takes it as it is and returns the mixture in its shape: a view per point costs a decode step about as much
+    as the kernel's mixing); shape: the tokens' shape `[..., d]`.
     """
 
     bank: torch.Tensor
@@ -52,7 +52,7 @@ class FullBankState(NamedTuple):
     def rows(self) -> tuple[torch.Tensor, ...]:
         """Every source so far, each `[..., d]` (views of the bank)."""
         rows = tuple(self.bank[:, j].view(self.shape) for j in range(self.count))
-        return rows if self.pending is None else (*rows, self.pending.view(self.shape))
+        return rows if self.pending is None else (*rows, self.pending)
 
     head = carrier = None  # as `ResidualState`'s for Full at inference
 
@@ -68,15 +68,15 @@ class FullInference(ReadsWithoutAutograd, FullResidual):
         self._forward = self._aggregate = None
 
     def start(self, embedding):
-        x = flat_tokens(embedding)
         rows = len(self.points) if isinstance(self.points, Sequence) else None  # a resumed stream's: only its own
+        x, d = embedding, embedding.shape[-1]
         if rows is None or torch.compiler.is_compiling() or x.numel() * rows * x.element_size() > BANK_BYTES:
             return super().start(embedding)
-        return FullBankState(x.new_empty(x.shape[0], rows, x.shape[1]), 0, x, embedding.shape)
+        return FullBankState(x.new_empty(x.numel() // d, rows, d), 0, x.contiguous(), x.shape)
 
     def write(self, state, output):
         if isinstance(state, FullBankState):
-            return FullBankState(state.bank, state.count, flat_tokens(output), state.shape)
+            return FullBankState(state.bank, state.count, output, state.shape)
         return super().write(state, output)
 
     def _read_no_grad(self, state, point, norm):
@@ -99,10 +99,11 @@ class FullInference(ReadsWithoutAutograd, FullResidual):
         write between takes the newest row as the prefix."""
         bank, count, pending, shape = state
         if pending is None:
-            mix = self._aggregate(bank, count - 1, bank[:, count - 1], None, query, gain, out_w, eps, out_eps, False)
-        else:
+            row = bank[:, count - 1]
+            mix = self._aggregate(bank, count - 1, row, None, query, gain, out_w, eps, out_eps, False).view(shape)
+        else:  # the mixture in the pending source's shape, the tokens'
             mix = self._aggregate(bank, count, pending, None, query, gain, out_w, eps, out_eps, True)
             count += 1
         # checked at the first call: every later call passes the same bank and rows like the first
         self._aggregate = getattr(self._aggregate, "kernel", self._aggregate)
-        return mix.view(shape), FullBankState(bank, count, None, shape)  # every backend's output is contiguous
+        return mix, FullBankState(bank, count, None, shape)

@@ -44,19 +44,21 @@ def torch_bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight
     forward of training (same rounding)."""
     c = fold_query(query, gain, accumulator_dtype(prefix.dtype))
     _pending_add(prefix, output)
+    rows = prefix.view(-1, prefix.shape[-1])
     if write:
-        bank[:, nvb] = prefix
+        bank[:, nvb] = rows
         sources = bank_rows(bank, nvb + 1)
     else:
-        sources = [*bank_rows(bank, nvb), prefix]
-    return torch_depth_attention_fwd(sources, c, out_norm_weight, eps, out_eps)[0]
+        sources = [*bank_rows(bank, nvb), rows]
+    return torch_depth_attention_fwd(sources, c, out_norm_weight, eps, out_eps)[0].view(prefix.shape)
 
 
 def torch_bank_merge(m, z, u, prefix, output, query, gain, out_norm_weight, eps, out_eps):
     """Portable kernel of `bank_merge`: the pending add, then the portable phase 2 of training."""
     _pending_add(prefix, output)
     c = fold_query(query, gain, accumulator_dtype(prefix.dtype))
-    return torch_merge_prefix_fwd(m, z, u, prefix, c, out_norm_weight, eps, out_eps, prefix.dtype)
+    rows = prefix.view(-1, prefix.shape[-1])
+    return torch_merge_prefix_fwd(m, z, u, rows, c, out_norm_weight, eps, out_eps, prefix.dtype).view(prefix.shape)
 
 
 # What a backend without fused kernels runs; a backend's own fused ops are validated the same way in its KERNELS.
@@ -70,12 +72,14 @@ def bank_aggregate(
 ) -> torch.Tensor:
     """One inference aggregation point over `nvb` bank rows and the prefix; returns the (normed) mixture.
 
-    bank `[N, NB, d]` and prefix `[N, d]` (any token strides, unit stride along d; fp32, bf16, fp16 or fp64), output
-    `[N, d]` or None, the point's query w (`[d]` or `[1, d]`) and key gain g `[d]`, which the kernel folds into
-    c = g * w in the accumulator dtype (each point's own vectors as they are: a fold per forward of every point's
-    would cost a decode step more than its kernels), the optional output-norm gain `[d]`. Mutates prefix (and, with
+    bank `[N, NB, d]` and prefix `[..., d]` of N tokens (`[N, d]` as a view: any token stride, unit stride along d;
+    fp32, bf16, fp16 or fp64), output of the prefix's shape or None, the point's query w (`[d]` or `[1, d]`) and key
+    gain g `[d]`, which the kernel folds into c = g * w in the accumulator dtype (each point's own vectors as they
+    are: a fold per forward of every point's would cost a decode step more than its kernels), the optional
+    output-norm gain `[d]`. Mutates prefix (and, with
     `write`, bank row `nvb`: the prefix after the pending add becomes that row and the sources are rows `0..nvb`) and
-    returns the mixture `[N, d]` in the prefix's dtype, bit for bit the one-shot forward's over the same rows.
+    returns the mixture in the prefix's shape and dtype, bit for bit the one-shot forward's over the same rows. A
+    prefix in the tokens' own shape spares a decode step a view per point, about as long as the kernel's mixing.
     """
     aggregate = kernel("bank_aggregate", prefix)
     return aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, write)
@@ -86,9 +90,9 @@ def bank_merge(
     query: torch.Tensor, gain: torch.Tensor, out_norm_weight: torch.Tensor | None, eps: float, out_eps: float,
 ) -> torch.Tensor:
     """Phase 2 at inference: the bank's phase-1 statistics (m, z `[N]`, u `[N, d]`, accumulator dtype) merged with the
-    prefix `[N, d]` (unit stride along d) after the pending add of output `[N, d]` or None, under the point's query
-    and key gain (folded as `bank_aggregate` folds them) and the optional output-norm gain `[d]`. Mutates prefix and
-    returns the (normed) mixture `[N, d]` in the prefix's dtype."""
+    prefix `[..., d]` of N tokens (as `bank_aggregate` takes it) after the pending add of an output of its shape or
+    None, under the point's query and key gain (folded as `bank_aggregate` folds them) and the optional output-norm
+    gain `[d]`. Mutates prefix and returns the (normed) mixture in the prefix's shape and dtype."""
     return kernel("bank_merge", prefix)(m, z, u, prefix, output, query, gain, out_norm_weight, eps, out_eps)
 
 

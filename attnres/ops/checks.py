@@ -87,17 +87,17 @@ def check_eps(name: str, eps: float) -> float:
     return float(eps)
 
 
-def _check_bank_point(prefix, output, query, gain, out_norm_weight, eps, out_eps) -> None:
-    """A point's prefix `[N, d]` (unit stride along d, as it is written in place), with an output of its shape and
-    dtype or None, a query `[d]` or `[1, d]`, a key gain and the output-norm gain `[d]` (or None) and positive epsilons;
-    raises ValueError/TypeError."""
+def _check_bank_point(prefix, output, query, gain, out_norm_weight, eps, out_eps) -> tuple[int, int]:
+    """A point's prefix `[..., d]` (unit stride along d and its tokens one stride apart, as it is written in place as
+    `[N, d]` rows), with an output of its shape and dtype or None, a query `[d]` or `[1, d]`, a key gain and the
+    output-norm gain `[d]` (or None) and positive epsilons; returns (N, d), raises ValueError/TypeError."""
     if not isinstance(prefix, torch.Tensor) or prefix.dtype not in FLOAT_DTYPES:
         got = getattr(prefix, "dtype", type(prefix).__name__)
-        raise TypeError(f"prefix: expected a floating tensor [N, d], got {got}")
-    if prefix.dim() != 2 or prefix.shape[1] == 0 or (prefix.stride(1) != 1 and prefix.shape[1] != 1):
-        raise ValueError(f"prefix: expected [N, d] with d >= 1 and unit stride along d, got shape "
-                         f"{tuple(prefix.shape)} and strides {prefix.stride()}")
-    d = prefix.shape[1]
+        raise TypeError(f"prefix: expected a floating tensor [..., d], got {got}")
+    if prefix.dim() < 1 or prefix.shape[-1] == 0 or not _token_rows(prefix):
+        raise ValueError(f"prefix: expected [..., d] with d >= 1, unit stride along d and its tokens one stride apart, "
+                         f"got shape {tuple(prefix.shape)} and strides {prefix.stride()}")
+    d = prefix.shape[-1]
     if output is not None and not (isinstance(output, torch.Tensor) and output.shape == prefix.shape
                                    and output.dtype == prefix.dtype and output.device == prefix.device):
         raise ValueError(f"output: expected None or a tensor of the prefix's shape {tuple(prefix.shape)}, dtype "
@@ -109,6 +109,17 @@ def _check_bank_point(prefix, output, query, gain, out_norm_weight, eps, out_eps
     check_vector("out_norm_weight", out_norm_weight, d, prefix.device)
     check_eps("eps", eps)
     check_eps("out_eps", out_eps)
+    return prefix.numel() // d, d
+
+
+def _token_rows(t: torch.Tensor) -> bool:
+    """Whether `t` `[..., d]` is, without a copy, N token rows of unit stride along d, one stride apart."""
+    d = t.shape[-1]
+    try:
+        rows = t.view(-1, d)
+    except RuntimeError:
+        return False
+    return rows.stride(1) == 1 or d == 1
 
 
 def check_depth_attention(
@@ -141,10 +152,9 @@ def check_depth_stats(
 
 
 def check_bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, write) -> None:
-    """The arguments of `attnres.ops.bank.bank_aggregate`: a point, and a bank `[N, NB, d]` like its prefix (unit
-    stride along d) with nvb valid rows (and row nvb free at a write)."""
-    _check_bank_point(prefix, output, query, gain, out_norm_weight, eps, out_eps)
-    n, d = prefix.shape
+    """The arguments of `attnres.ops.bank.bank_aggregate`: a point, and a bank `[N, NB, d]` over its prefix's N tokens
+    (unit stride along d) with nvb valid rows (and row nvb free at a write)."""
+    n, d = _check_bank_point(prefix, output, query, gain, out_norm_weight, eps, out_eps)
     if not (isinstance(bank, torch.Tensor) and bank.dim() == 3 and bank.shape[0] == n and bank.shape[2] == d
             and (bank.stride(2) == 1 or d == 1) and bank.dtype == prefix.dtype and bank.device == prefix.device):
         raise ValueError(f"bank: expected [{n}, NB, {d}] {prefix.dtype} tensor on {prefix.device} with unit stride "
@@ -160,8 +170,7 @@ def check_bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight
 def check_bank_merge(m, z, u, prefix, output, query, gain, out_norm_weight, eps, out_eps) -> None:
     """The arguments of `attnres.ops.bank.bank_merge`: a point, and the phase-1 statistics of its N tokens: m, z `[N]`
     and u `[N, d]`, floating, on the prefix's device."""
-    _check_bank_point(prefix, output, query, gain, out_norm_weight, eps, out_eps)
-    n, d = prefix.shape
+    n, d = _check_bank_point(prefix, output, query, gain, out_norm_weight, eps, out_eps)
     for name, t, shape in (("m", m, (n,)), ("z", z, (n,)), ("u", u, (n, d))):
         if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name}: expected a floating tensor of shape {list(shape)}, got "

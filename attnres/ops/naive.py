@@ -55,16 +55,18 @@ def naive_bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight
     """Twin of `attnres.ops.bank.bank_aggregate` (same signature and in-place effects), built on the twin above."""
     if output is not None:
         prefix.copy_(prefix + output)
+    rows = prefix.view(-1, prefix.shape[-1])
     if write:
-        bank[:, nvb] = prefix
-    sources = [bank[:, j] for j in range(nvb + 1 if write else nvb)] + ([] if write else [prefix])
-    return naive_depth_attention(sources, query, gain, eps=eps, out_norm_weight=out_norm_weight, out_eps=out_eps)
+        bank[:, nvb] = rows
+    sources = [bank[:, j] for j in range(nvb + 1 if write else nvb)] + ([] if write else [rows])
+    mix = naive_depth_attention(sources, query, gain, eps=eps, out_norm_weight=out_norm_weight, out_eps=out_eps)
+    return mix.view(prefix.shape)
 
 
 def naive_bank_merge(m, z, u, prefix, output, query, gain, out_norm_weight, eps, out_eps):
     """Twin of `attnres.ops.bank.bank_merge`: the phase-1 statistics merged with the prefix's own statistics."""
     if output is not None:
         prefix.copy_(prefix + output)
-    own = naive_depth_stats([prefix], query.reshape(1, -1), gain[None], eps=eps)
+    own = naive_depth_stats([prefix.view(-1, prefix.shape[-1])], query.reshape(1, -1), gain[None], eps=eps)
     stats = merge_stats(SoftmaxStats(m[None], z[None], u[None]), own)
-    return finish_stats(stats, out_norm_weight, out_eps=out_eps, dtype=prefix.dtype)[0]
+    return finish_stats(stats, out_norm_weight, out_eps=out_eps, dtype=prefix.dtype)[0].view(prefix.shape)

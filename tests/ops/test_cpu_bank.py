@@ -63,6 +63,8 @@ def make_point(N: int, d: int, dtype: torch.dtype, seed: int, *, layout: str = "
     if layout == "strided":
         t["bank"], t["prefix"] = strided(t["bank"]), strided(t["prefix"])
         t["output"] = t["output"].t().contiguous().t()  # column-major: copied by the host code, not read in place
+    if layout == "tokens":  # in the tokens' own shape [2, N / 2, d], as an inference stream passes them
+        t["prefix"], t["output"] = t["prefix"].view(2, -1, d), t["output"].view(2, -1, d)
     return t
 
 
@@ -75,15 +77,17 @@ def unfused(bank, nvb, prefix, output, c, ow, write):
     """The CPU path before the fused op: torch add_ and write, then the one-shot CPU forward over the rows."""
     if output is not None:
         prefix.add_(output)
+    prefix_rows = prefix.view(-1, prefix.shape[-1])
     if write:
-        bank[:, nvb] = prefix
-    rows = [bank[:, j] for j in range(nvb + 1 if write else nvb)] + ([] if write else [prefix])
-    return cpu.cpu_depth_attention_fwd(rows, c, ow, EPS, OUT_EPS)[0]
+        bank[:, nvb] = prefix_rows
+    rows = [bank[:, j] for j in range(nvb + 1 if write else nvb)] + ([] if write else [prefix_rows])
+    return cpu.cpu_depth_attention_fwd(rows, c, ow, EPS, OUT_EPS)[0].view(prefix.shape)
 
 
-# (N, d, layout): tokens for one thread and for several (N=300), d=1, odd d, a tail after whole registers, d=512
+# (N, d, layout): tokens for one thread and for several (N=300), d=1, odd d, a tail after whole registers, d=512, the
+# prefix and output in the tokens' shape
 SHAPES = [(1, 512, "contiguous"), (5, 7, "strided"), (300, 130, "contiguous"), (5, 1, "contiguous"),
-          (5, 512, "strided")]
+          (5, 512, "strided"), (6, 7, "tokens"), (300, 130, "tokens")]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -92,12 +96,13 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.mark.parametrize("write", [False, True], ids=["read", "write"])
 @pytest.mark.parametrize("with_output,onorm", [(True, True), (False, True), (True, False)],
                          ids=["add-onorm", "onorm", "add"])
-def test_bank_aggregate(cpu_kernel_calls, dtype, shape, write, with_output, onorm):
+def test_bank_aggregate(cpu_kernel_calls, monkeypatch, dtype, shape, write, with_output, onorm):
     N, d, layout = shape
     nvb = 3
     t = make_point(N, d, dtype, seed=N + d + write, layout=layout)
     output, ow = t["output"] if with_output else None, t["ow"] if onorm else None
     bank, prefix = clone(t["bank"]), clone(t["prefix"])
+    torch_bank, torch_prefix = clone(t["bank"]), clone(t["prefix"])  # for the portable path, below
     mix = bank_ops.bank_aggregate(bank, nvb, prefix, output, t["query"], t["gain"], ow, EPS, OUT_EPS, write)
     assert cpu_kernel_calls == ["bank_aggregate"]
 
@@ -110,6 +115,13 @@ def test_bank_aggregate(cpu_kernel_calls, dtype, shape, write, with_output, onor
     twin = naive_bank_aggregate(t["bank"], nvb, t["prefix"], output, t["query"], t["gain"], ow, EPS, OUT_EPS, write)
     assert torch.equal(prefix, t["prefix"]) and torch.equal(bank, t["bank"])
     assert_mixture(mix, twin)
+
+    monkeypatch.setenv(registry.BACKEND_ENV, "torch")  # the portable path of the same contract
+    calls = list(cpu_kernel_calls)
+    ported = bank_ops.bank_aggregate(torch_bank, nvb, torch_prefix, output, t["query"], t["gain"], ow, EPS, OUT_EPS,
+                                     write)
+    assert torch.equal(torch_prefix, prefix) and torch.equal(torch_bank, bank) and cpu_kernel_calls == calls
+    assert_mixture(ported, mix)
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
@@ -187,7 +199,8 @@ def _bad_cases():
                                                query=query, gain=gain, out_norm_weight=ow, eps=EPS, out_eps=OUT_EPS),
                           **kw}
     return {
-        "prefix-1d": (agg(prefix=prefix[0]), ValueError, "prefix"),
+        "prefix-scalar": (agg(prefix=prefix[0, 0]), ValueError, "prefix"),
+        "prefix-tokens-apart": (agg(prefix=torch.zeros(2, 4, 4)[:, :2]), ValueError, "prefix"),
         "prefix-int": (agg(prefix=prefix.int()), TypeError, "prefix"),
         "prefix-column-major": (agg(prefix=prefix.t().contiguous().t()), ValueError, "prefix"),
         "prefix-not-a-tensor": (agg(prefix=[[0.0] * 4] * 2), TypeError, "prefix"),

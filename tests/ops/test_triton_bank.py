@@ -135,6 +135,29 @@ def test_bank_merge_matches_twin(case):
 
 
 @kernel_test
+def test_bank_ops_take_the_tokens_shape():
+    """A prefix and output `[batch, seq, d]`, as an inference stream passes them: the rows they view, the mixture in
+    their shape."""
+    from attnres.ops.triton import triton_bank_aggregate, triton_bank_merge
+
+    t = make_point(N=3, NB=4, d=64, dtype=torch.float32, seed=5)
+    prefix, output = t["prefix"].view(1, 3, 64), t["output"].view(1, 3, 64)
+    args = (t["query"], t["gain"], t["ow"], EPS, OUT_EPS)
+    bank, got_prefix = t["bank"].clone(), prefix.clone()
+    mix = triton_bank_aggregate(bank, 2, got_prefix, output, *args, True)
+    ref = naive_bank_aggregate(t["bank"], 2, prefix, output, *args, True)
+    assert mix.shape == (1, 3, 64) and torch.equal(got_prefix, prefix) and torch.equal(bank, t["bank"])
+    assert_mixture(mix, ref)
+
+    m, z, u = (s[0] for s in naive_depth_stats(bank_ops.bank_rows(t["bank"], 3), t["c"][None], eps=EPS))
+    got_prefix = prefix.clone()
+    mix = triton_bank_merge(m, z, u, got_prefix, output, *args)
+    ref = naive_bank_merge(m, z, u, prefix, output, *args)
+    assert mix.shape == (1, 3, 64) and torch.equal(got_prefix, prefix)
+    assert_mixture(mix, ref)
+
+
+@kernel_test
 def test_strided_bank_and_prefix_are_written_in_place():
     """A bank with a spare channel per row and a prefix that is a column slice: read and written through strides."""
     from attnres.ops.triton import triton_bank_aggregate

@@ -1861,18 +1861,21 @@ struct PointVectors {  // a bank op's vectors in the accumulator dtype: c = g * 
   const A* gain() const { return out_w.empty() ? nullptr : out_w.data(); }
 };
 
-struct BankPoint {  // what both bank ops share: the prefix [N, d] and the pending output
+struct BankPoint {  // what both bank ops share: the prefix [..., d] as its N token rows [N, d], and the pending output
   at::ScalarType dtype, acc;
-  int64_t n_tok, d;
-  at::Tensor output;
+  int64_t d, n_tok;
+  at::Tensor prefix, output;  // both viewed [N, d]
 
-  BankPoint(const at::Tensor& prefix, const std::optional<at::Tensor>& output_)
-      : dtype(prefix.scalar_type()), acc(dtype == at::kDouble ? at::kDouble : at::kFloat), n_tok(prefix.size(0)),
-        d(prefix.size(-1)) {
-    TORCH_CHECK(prefix.dim() == 2 && d > 0, "attnres_cpu: expected a prefix [N, d], d >= 1");
+  BankPoint(const at::Tensor& prefix_, const std::optional<at::Tensor>& output_)
+      : dtype(prefix_.scalar_type()), acc(dtype == at::kDouble ? at::kDouble : at::kFloat),
+        d(prefix_.dim() ? prefix_.size(-1) : 0), n_tok(d > 0 ? prefix_.numel() / d : 0) {
+    TORCH_CHECK(d > 0, "attnres_cpu: expected a prefix [..., d], d >= 1");
+    prefix = prefix_.view({n_tok, d});  // written in place: a view, never a copy
     if (output_) {
-      TORCH_CHECK(output_->scalar_type() == dtype, "attnres_cpu: output must have the prefix's dtype");
-      output = output_->stride(-1) == 1 ? *output_ : output_->contiguous();
+      TORCH_CHECK(output_->scalar_type() == dtype && output_->numel() == prefix.numel(),
+                  "attnres_cpu: output must have the prefix's dtype and shape");
+      output = output_->reshape({n_tok, d});
+      if (output.stride(-1) != 1) output = output.contiguous();
     }
   }
   template <class T>
@@ -1889,14 +1892,14 @@ at::Tensor bank_aggregate(const at::Tensor& bank, int64_t nvb, const at::Tensor&
                   (bank.stride(2) == 1 || p.d == 1) && bank.scalar_type() == p.dtype,
               "attnres_cpu: expected a bank [N, NB, d] of the prefix's dtype, unit stride along d");
   TORCH_CHECK(0 <= nvb && nvb < bank.size(1) + (write ? 0 : 1), "attnres_cpu: nvb out of the bank's rows");
-  auto out = new_output({p.n_tok, p.d}, p.dtype);
+  auto out = new_output(prefix.sizes(), p.dtype);
   dispatch(p.dtype, [&](auto k) {
     using K = decltype(k);
     using A = typename K::acc;
     using R = typename K::raw;
     const PointVectors<A> v(query, gain, out_norm_weight, p.d);
     const Rows<R> token_rows{static_cast<R*>(bank.data_ptr()), bank.stride(0)};
-    bank_aggregate_kernel<K>(token_rows, bank.stride(1), nvb, rows_in_place<R>(prefix, p.n_tok, p.d),
+    bank_aggregate_kernel<K>(token_rows, bank.stride(1), nvb, rows_in_place<R>(p.prefix, p.n_tok, p.d),
                              p.output_rows<R>(), v.c.data(), v.gain(), eps, out_eps, write, p.n_tok, p.d,
                              static_cast<R*>(out.data_ptr()));
   });
@@ -1910,14 +1913,14 @@ at::Tensor bank_merge(const at::Tensor& m, const at::Tensor& z, const at::Tensor
   TORCH_CHECK(m.numel() == p.n_tok && z.numel() == p.n_tok && u.dim() == 2, "attnres_cpu: expected m, z [N], u [N, d]");
   auto mv = acc_vector(m, p.n_tok, p.acc), zv = acc_vector(z, p.n_tok, p.acc);
   auto uv = u.scalar_type() == p.acc && u.stride(-1) == 1 ? u : u.to(p.acc).contiguous();
-  auto out = new_output({p.n_tok, p.d}, p.dtype);
+  auto out = new_output(prefix.sizes(), p.dtype);
   dispatch(p.dtype, [&](auto k) {
     using K = decltype(k);
     using A = typename K::acc;
     using R = typename K::raw;
     const PointVectors<A> v(query, gain, out_norm_weight, p.d);
     bank_merge_kernel<K>(mv.data_ptr<A>(), zv.data_ptr<A>(), rows_in_place<const A>(uv, p.n_tok, p.d),
-                         rows_in_place<R>(prefix, p.n_tok, p.d), p.output_rows<R>(), v.c.data(), v.gain(), eps,
+                         rows_in_place<R>(p.prefix, p.n_tok, p.d), p.output_rows<R>(), v.c.data(), v.gain(), eps,
                          out_eps, p.n_tok, p.d, static_cast<R*>(out.data_ptr()));
   });
   return out;

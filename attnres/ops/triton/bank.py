@@ -121,7 +121,8 @@ def _check_limits(prefix: torch.Tensor) -> tuple[int, int]:
     """(N, d) of a point within what the kernels take (the op's own checks have run: see `attnres.ops.bank`)."""
     if prefix.dtype not in TORCH_TO_TRITON:
         raise TypeError(f"prefix: the Triton kernels take float32, bfloat16 or float16, got {prefix.dtype}")
-    n, d = prefix.shape
+    d = prefix.shape[-1]
+    n = prefix.numel() // d
     if d > MAX_D:
         raise ValueError(f"prefix: the Triton kernels hold rows of at most d={MAX_D} channels, got d={d}")
     return n, d
@@ -130,12 +131,13 @@ def _check_limits(prefix: torch.Tensor) -> tuple[int, int]:
 def triton_bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weight, eps, out_eps, write):
     """Kernel of `bank_aggregate`: the whole point in one launch."""
     n, d = _check_limits(prefix)
-    out = torch.empty((n, d), dtype=prefix.dtype, device=prefix.device)
+    out = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
+    rows, output = prefix.view(n, d), None if output is None else output.reshape(n, d)
     if n > 0:
         bank_aggregate_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_T"]),)](
-            bank, prefix, contiguous_or_none(output), query.contiguous(), gain.contiguous(),
+            bank, rows, contiguous_or_none(output), query.contiguous(), gain.contiguous(),
             contiguous_or_none(out_norm_weight), out,
-            n, nvb, bank.stride(0), bank.stride(1), prefix.stride(0), eps, out_eps,
+            n, nvb, bank.stride(0), bank.stride(1), rows.stride(0), eps, out_eps,
             D=d, D_PAD=padded_width(d), HAS_OUTPUT=output is not None, WRITE=write,
             OUT_NORM=out_norm_weight is not None, DTYPE=TORCH_TO_TRITON[prefix.dtype],
         )
@@ -145,12 +147,13 @@ def triton_bank_aggregate(bank, nvb, prefix, output, query, gain, out_norm_weigh
 def triton_bank_merge(m, z, u, prefix, output, query, gain, out_norm_weight, eps, out_eps):
     """Kernel of `bank_merge`: the whole point in one launch."""
     n, d = _check_limits(prefix)
-    out = torch.empty((n, d), dtype=prefix.dtype, device=prefix.device)
+    out = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
+    rows, output = prefix.view(n, d), None if output is None else output.reshape(n, d)
     if n > 0:
         stats = (s.float().contiguous() for s in (m, z, u))
         bank_merge_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_T"]),)](
-            *stats, prefix, contiguous_or_none(output), query.contiguous(), gain.contiguous(),
-            contiguous_or_none(out_norm_weight), out, n, prefix.stride(0), eps, out_eps,
+            *stats, rows, contiguous_or_none(output), query.contiguous(), gain.contiguous(),
+            contiguous_or_none(out_norm_weight), out, n, rows.stride(0), eps, out_eps,
             D=d, D_PAD=padded_width(d), HAS_OUTPUT=output is not None, OUT_NORM=out_norm_weight is not None,
             DTYPE=TORCH_TO_TRITON[prefix.dtype],
         )
