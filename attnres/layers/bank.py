@@ -40,8 +40,9 @@ class BankState(NamedTuple):
     bank: `[N, NB, d]` for the N tokens, its first rows complete (as many as write layers have been read); prefix: the
     current block's partial sum without the pending output, in the tokens' shape `[..., d]` (at layer 0 the embedding
     itself, later a buffer of the forward's own; None right after a write point: the pending output starts the next);
-    pending: the last sublayer output, which the next read adds into the prefix; stats: phase 1 of points
-    `range(start, stop)` as `(start, stop, (m, z, u))`, each `[N, ...]`.
+    pending: the last sublayer output, which the next read adds into the prefix; shape: the tokens' shape `[..., d]`
+    (the bank's N rows unflattened); stats: phase 1 of points `range(start, stop)` as `(start, stop, (m, z, u))`, each
+    `[N, ...]`.
 
     The bank ops take the prefix and the output in the tokens' shape and return the mixture in it: at decode a view
     per point costs about as much as the kernel's mixing.
@@ -50,6 +51,7 @@ class BankState(NamedTuple):
     bank: torch.Tensor
     prefix: torch.Tensor | None
     pending: torch.Tensor | None
+    shape: torch.Size
     stats: tuple | None = None
 
     @property
@@ -83,10 +85,10 @@ class BlockBank(ReadsWithoutAutograd, BlockResidual):
     def start(self, embedding):
         d = embedding.shape[-1]
         bank = embedding.new_empty(embedding.numel() // d, self.num_bank_rows, d)
-        return BankState(bank, prefix=embedding.contiguous(), pending=None)
+        return BankState(bank, prefix=embedding.contiguous(), pending=None, shape=embedding.shape)
 
     def write(self, state, output):
-        return BankState(state.bank, state.prefix, output, state.stats)
+        return BankState(state.bank, state.prefix, output, state.shape, state.stats)
 
     def filled(self, point: int) -> int:
         """Bank rows complete before `point` reads: one per write layer before it (and its own layer's, past its
@@ -95,7 +97,7 @@ class BlockBank(ReadsWithoutAutograd, BlockResidual):
         return -(-layer // self.block_size) if point % 2 == 0 else layer // self.block_size + 1
 
     def _read_no_grad(self, state, point, norm):
-        bank, prefix, pending, stats = state
+        bank, prefix, pending, shape, stats = state
         if self._aggregate is None:
             self._bind(bank)
         query, gain, eps = self.points[point].weights()
@@ -117,7 +119,7 @@ class BlockBank(ReadsWithoutAutograd, BlockResidual):
             self._aggregate = getattr(self._aggregate, "kernel", self._aggregate)
         if write or (stats is not None and point + 1 == stats[1]):
             stats = None
-        state = BankState(bank, None if write else prefix, None, stats)
+        state = BankState(bank, None if write else prefix, None, shape, stats)
         return (mix if norm is not None else self._finish_unfused(mix, nvb + 1)), state
 
     def _bind(self, x: torch.Tensor) -> None:
