@@ -19,7 +19,8 @@ The paper reports under 4% for training and under 2% for inference (Kimi K3 scal
     python -m benchmarks.real_model                                # fp32 and bf16 on the CPU -> docs/real_model.json
     python -m benchmarks.real_model --device cuda --dtypes bf16     # on a GPU
     python -m benchmarks.real_model --random-weights                # the same shapes, nothing to download
-    python -m benchmarks.real_model --profile train --dtypes fp32   # where the time goes: torch.profiler tables
+    python -m benchmarks.real_model --profile train decode          # where the time goes: torch.profiler tables
+                                                                     # -> docs/real_model_profile.json
 
 Apart from subnormal floats (flushed to zero in every model unless `--keep-subnormals`), the cost does not depend on
 the weights' values: `--random-weights` builds SmolLM2-135M's architecture from its config (below) with a random
@@ -76,11 +77,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--family-norms", action="store_true",
                    help="keep transformers' Python RMSNorm in every model instead of the fastest plain norm")
     p.add_argument("--keep-subnormals", action="store_true", help=SUBNORMALS_HELP)
-    p.add_argument("--profile", choices=CASES, default=None,
-                   help="instead of timing, print a torch.profiler table of one call of each model in this case")
-    p.add_argument("--json", default="docs/real_model.json", help="where to write the figures (default: %(default)s)")
+    p.add_argument("--profile", nargs="+", choices=CASES, default=None,
+                   help="instead of timing, profile each model in these cases with torch.profiler: print its table and "
+                        "write each op's time per call and what Block and Full spend over the standard conversion")
+    p.add_argument("--profile-rounds", type=int, default=5,
+                   help="profiled calls of each model, one a round (default: %(default)s)")
+    p.add_argument("--json", default=None,
+                   help="where to write the figures (default: docs/real_model.json, with --profile "
+                        "docs/real_model_profile.json)")
     args = p.parse_args(argv)
-    for name in ("block_size", "rounds", "decode_rounds", "batch", "tokens", "context"):
+    if args.json is None:
+        args.json = "docs/real_model_profile.json" if args.profile else "docs/real_model.json"
+    for name in ("block_size", "rounds", "decode_rounds", "batch", "tokens", "context", "profile_rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     return args
@@ -178,16 +186,49 @@ def summarise(times: dict[str, list[float]]) -> dict:
     }
 
 
-def profile(fns: dict, device: str) -> None:
+# ops whose self time per call differs between two models by less than this share of the base model's total are left
+# out of the JSON's differences
+PROFILE_MIN_SHARE = 0.001
+
+
+def profile(fns: dict, device: str, rounds: int) -> dict:
+    """Each model's torch.profiler record of one call per round, the models in an order that rotates from round to
+    round as the timed rounds' (a shared machine's drift then reaches them alike): the last round's table printed, and
+    returned as each op's median self CPU time and count per call over the rounds, with what Block and Full spend over
+    the standard conversion, op by op, largest first."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    for name, fn in fns.items():
+    names = list(fns)
+    for fn in fns.values():
         fn()
-        with torch_profile(activities=activities) as prof:
-            fn()
-        print(f"--- {name}")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    seen = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            with torch_profile(activities=activities) as prof:
+                fns[name]()
+            seen[name].append({e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()})
+            if r == rounds - 1:
+                print(f"--- {name}")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    ops = {
+        name: {key: {"self_ms": statistics.median(run.get(key, (0.0, 0))[0] for run in runs),
+                     "calls": statistics.median(run.get(key, (0.0, 0))[1] for run in runs)}
+               for key in set().union(*runs)}
+        for name, runs in seen.items()
+    }
+    record = {"self_cpu_ms": {name: sum(e["self_ms"] for e in o.values()) for name, o in ops.items()}, "ops": ops}
+    record["over_standard"] = {name: over(ops[name], ops[STANDARD]) for name in (BLOCK, FULL)}
+    return record
+
+
+def over(ops: dict, base: dict) -> dict:
+    """`ops`' self time per call minus `base`'s (ms), op by op where they differ by at least PROFILE_MIN_SHARE of
+    `base`'s total, largest difference first."""
+    none = {"self_ms": 0.0, "calls": 0.0}
+    least = PROFILE_MIN_SHARE * sum(e["self_ms"] for e in base.values())
+    diff = {key: ops.get(key, none)["self_ms"] - base.get(key, none)["self_ms"] for key in ops.keys() | base.keys()}
+    return {key: round(ms, 4) for key, ms in sorted(diff.items(), key=lambda kv: -abs(kv[1])) if abs(ms) >= least}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,10 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for dtype_name in args.dtypes:
         models = load_models(source, DTYPES[dtype_name], args.device, args.block_size, args.family_norms)
-        for case in args.cases:
+        for case in args.profile or args.cases:
             fns = case_functions(case, models, tokens, args)
-            if args.profile == case:
-                profile(fns, args.device)
+            if args.profile:
+                results.append({"case": case, "dtype": dtype_name, **profile(fns, args.device, args.profile_rounds)})
                 continue
             rounds = args.rounds if case == "train" else args.decode_rounds
             row = {"case": case, "dtype": dtype_name, **summarise(round_times(fns, rounds, args.warmup, args.device))}
@@ -219,13 +260,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case:6s} {dtype_name}: original {row['ms'][ORIGINAL]:8.1f} ms; "
                   + "; ".join(f"{k} {row['ratio'][k]:.3f}x" for k in (COPY, STANDARD, BLOCK, FULL)), flush=True)
         del models
-    if args.profile:
-        return 0
     record = {
         "model": name, "block_size": args.block_size, "device": args.device,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
         "train_shape": [args.batch, args.tokens], "decode": {"batch": 1, "context": args.context},
-        "rounds": args.rounds, "decode_rounds": args.decode_rounds, "warmup": args.warmup,
+        **({"profile_rounds": args.profile_rounds} if args.profile else {
+            "rounds": args.rounds, "decode_rounds": args.decode_rounds, "warmup": args.warmup}),
         "norms": "family" if args.family_norms else "fastest plain (attnres.bench.models.fast_norms)",
         "subnormals": subnormals,
         "command": "python -m benchmarks.real_model " + " ".join(sys.argv[1:]),

@@ -38,3 +38,26 @@ def test_fast_norms_outlive_the_mode_switches_of_a_loaded_model(tmp_path):
     for switch in (model.train, model.eval, model.train):
         switch()
         assert all(norm.forward.func is _fast_rms_norm for norm in norms)
+
+
+def test_the_profile_says_what_block_and_full_run_beyond_the_standard_conversion(tmp_path):
+    """`--profile decode`: every model's ops per call, and Block's and Full's differences from the standard conversion,
+    largest first, in which their fused reads appear and the standard's PreNorms' `rms_norm` is gone."""
+    import json
+
+    out = tmp_path / "profile.json"
+    assert real_model.main(["--smoke", "--profile", "decode", "--dtypes", "fp32", "--profile-rounds", "3",
+                            "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["profile_rounds"] == 3 and "rounds" not in record
+    (row,) = record["results"]
+    assert (row["case"], row["dtype"]) == ("decode", "fp32")
+    assert set(row["self_cpu_ms"]) == set(row["ops"]) == {real_model.ORIGINAL, real_model.COPY, real_model.STANDARD,
+                                                           real_model.BLOCK, real_model.FULL}
+    assert row["ops"][real_model.BLOCK]["attnres_cpu::bank_aggregate"]["calls"] == 2 * 4 + 1  # 2L + 1 reads a call
+    assert "attnres_cpu::bank_aggregate" not in row["ops"][real_model.STANDARD]
+    assert row["ops"][real_model.STANDARD]["aten::rms_norm"]["calls"] == 2 * 4 + 1
+    for name in (real_model.BLOCK, real_model.FULL):
+        diff = list(row["over_standard"][name].values())
+        least = real_model.PROFILE_MIN_SHARE * row["self_cpu_ms"][real_model.STANDARD]
+        assert len(diff) > 1 and all(abs(a) >= abs(b) >= least - 1e-4 for a, b in zip(diff, diff[1:]))
