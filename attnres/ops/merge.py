@@ -370,8 +370,9 @@ merge_sources_fwd.register_autograd(_sources_backward, setup_context=_setup_sour
 
 
 class _MergeSources(torch.autograd.Function):
-    """`merge_sources_fwd` and its autograd, eagerly on plain tensors: the kernels called directly, without the custom
-    op's Python layers (argument flattening, dispatch), a fixed cost at every point of a group."""
+    """`merge_sources_fwd` and its autograd, eagerly on plain tensors where the backend has no `merge_sources` op of its
+    own (the CPU's is a C++ autograd node): the kernels called directly, without the custom op's Python layers
+    (argument flattening, dispatch), a fixed cost at every point of a group."""
 
     @staticmethod
     def forward(ctx, m, z, u, c, out_norm_weight, eps, out_eps, dtype, *sources):
@@ -386,6 +387,13 @@ class _MergeSources(torch.autograd.Function):
     def backward(ctx, grad_out):
         du, dz, dxs, dc, d_out_w = _sources_grads(ctx.bwd, ctx, grad_out)
         return None, dz, du, dc, d_out_w, None, None, None, *dxs
+
+
+@portable("merge_sources")
+def merge_sources_point(m, z, u, sources, query, gain, out_norm_weight, eps, out_eps, dtype):
+    """The `merge_sources` op where a backend has none: the query folded in torch ops, then `_MergeSources`."""
+    c = fold_query(query, gain, u.dtype) if sources else None
+    return _MergeSources.apply(m, z, u, c, out_norm_weight, eps, out_eps, dtype, *sources)
 
 
 def merge_sources(
@@ -415,11 +423,10 @@ def merge_sources(
     d, device = u.shape[-1], u.device
     xs = _check_rows(sources, u) if len(sources) else []
     eps, out_eps = _check_point(query, key_norm_weight, out_norm_weight, eps, out_eps, dtype, d, device)
-    c = fold_query(query, key_norm_weight, u.dtype) if xs else None
-    args = (m.reshape(-1), z.reshape(-1), u.reshape(-1, d), c, out_norm_weight, eps, out_eps,
-            u.dtype if dtype is None else dtype)
+    flat, dtype = (m.reshape(-1), z.reshape(-1), u.reshape(-1, d)), u.dtype if dtype is None else dtype
     if takes_kernels_directly(u):
-        out = _MergeSources.apply(*args, *xs)
+        out = kernel("merge_sources", u)(*flat, xs, query, key_norm_weight, out_norm_weight, eps, out_eps, dtype)
     else:
-        out = merge_sources_fwd(*args[:3], xs, *args[3:])
+        c = fold_query(query, key_norm_weight, u.dtype) if xs else None
+        out = merge_sources_fwd(*flat, xs, c, out_norm_weight, eps, out_eps, dtype)
     return out.reshape(u.shape)

@@ -1,6 +1,7 @@
 """Phase 2 of a group of Full points (`attnres.ops.merge_sources`): against the one-shot operator over the same
 sources, outputs and every gradient (through phase 1 too); fp64 gradcheck of the hand-written backward; the CPU
-kernel against the torch twin (strided sources, d off the vector width, bf16); the fake kernels' shapes; bad input."""
+kernel against the torch twin (strided sources, d off the vector width, bf16), and its op with its own autograd node
+against the Python Function bit for bit; the fake kernels' shapes; bad input."""
 
 from __future__ import annotations
 
@@ -148,6 +149,40 @@ def test_the_cpu_kernel_matches_the_torch_twin(monkeypatch, dtype, d, after, out
     twin = run()
     names = ["out", *[f"x{k}" for k in range(2 + after)], "query", "gain"] + (["out_w"] if out_norm else [])
     assert_all_close(names, twin, fast, TOL[dtype])
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="the CPU kernel could not be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("after,with_gain,with_norm", [(3, True, True), (0, True, True), (2, False, False),
+                                                       (1, True, False)])
+def test_the_cpu_op_equals_the_python_function_bit_for_bit(dtype, after, with_gain, with_norm):
+    """The CPU `merge_sources` op (its own C++ autograd node, the query folded inside) against `_MergeSources` over the
+    same CPU kernels with the fold in torch ops: the output and every gradient, bit for bit."""
+    from attnres.ops.cpu import cpu_merge_sources
+    from attnres.ops.merge import merge_sources_point
+
+    def inputs():
+        g = torch.Generator().manual_seed(3)
+        n, d = 9, 100
+        m, z = torch.randn(n, generator=g), (torch.rand(n, generator=g) + 1).requires_grad_()
+        u = torch.randn(n, d, generator=g).requires_grad_()
+        xs = [(3 * torch.randn(n, d, generator=g)).to(dtype).requires_grad_() for _ in range(after)]
+        query = (0.3 * torch.randn(1, d, generator=g)).to(dtype).requires_grad_()  # a point's weights, model dtype
+        gain = (torch.rand(d, generator=g) + 0.5).to(dtype).requires_grad_() if with_gain else None
+        out_w = (torch.rand(d, generator=g) + 0.5).requires_grad_() if with_norm else None
+        return m, z, u, xs, query, gain, out_w
+
+    results = []
+    for op in (cpu_merge_sources, merge_sources_point):
+        m, z, u, xs, query, gain, out_w = inputs()
+        out = op(m, z, u, xs, query, gain, out_w, EPS, OUT_EPS, dtype)
+        wrt = [t for t in (z, u, *xs, query, gain, out_w) if t is not None]
+        grad_out = torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(dtype)
+        results.append([out, *torch.autograd.grad(out, wrt, grad_out, allow_unused=True)])
+    assert (results[0][3 + after] is None) == (after == 0)  # the query's gradient: only where sources are scored
+    for got, want in zip(*results, strict=True):
+        assert (got is None) == (want is None)
+        assert got is None or (got.dtype == want.dtype and torch.equal(got, want))
 
 
 @pytest.mark.parametrize("with_sources,with_norm", [(False, False), (False, True), (True, False), (True, True)])

@@ -140,6 +140,12 @@ def cpu_bank_merge(m, z, u, prefix, output, query, gain, out_norm_weight, eps, o
     return _ops().bank_merge(m, z, u, prefix, output, query, gain, out_norm_weight, eps, out_eps)
 
 
+def cpu_merge_sources(m, z, u, sources, query, gain, out_norm_weight, eps, out_eps, dtype):
+    """Kernel of `merge_sources`: a point of a Full group's phase 2, the query folded, its backward a C++ autograd
+    node."""
+    return _ops().merge_sources(m, z, u, sources, query, gain, out_norm_weight, eps, out_eps, dtype)
+
+
 def cpu_merge_sources_fwd(m, z, u, sources, c, out_norm_weight, eps, out_eps, dtype):
     """Kernel of `attnres::merge_sources_fwd`: one pass per token over u and the sources."""
     return _ops().merge_sources_fwd(m, z, u, sources, c, out_norm_weight, eps, out_eps, dtype)
@@ -166,6 +172,7 @@ KERNELS = Backend("cpu", {
     "depth_stats_fwd": cpu_depth_stats_fwd,
     "depth_stats_bwd": cpu_depth_stats_bwd,
     "depth_stats_bwd_into": cpu_depth_stats_bwd_into,
+    "merge_sources": cpu_merge_sources,
     "merge_sources_fwd": cpu_merge_sources_fwd,
     "merge_sources_bwd": cpu_merge_sources_bwd,
     "bank_aggregate": validated(check_bank_aggregate, cpu_bank_aggregate),

@@ -1998,6 +1998,61 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tens
   return {du, dz, grads, dc, d_out_w};
 }
 
+// A point of a Full group's phase 2 as one op with its own autograd node (the op `merge_sources`, the CPU twin of
+// `_MergeSources` in attnres/ops/merge.py, which it equals bit for bit), its query folded and its parameters'
+// gradients formed here as `point`'s are: a Python autograd Function costs several times the kernels' own time at
+// every point of a group, forward and backward.
+struct MergeSources : torch::autograd::Function<MergeSources> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& m, const at::Tensor& z, const at::Tensor& u,
+                               at::TensorList sources, const at::Tensor& query, const std::optional<at::Tensor>& gain,
+                               const std::optional<at::Tensor>& out_norm_weight, double eps, double out_eps,
+                               at::ScalarType dtype) {
+    std::optional<at::Tensor> c;
+    if (!sources.empty()) c = fold_query(Problem(sources), query, gain);
+    auto out = merge_sources_fwd(m, z, u, sources, c, out_norm_weight, eps, out_eps, dtype);
+    variable_list saved{m, z, u, c.value_or(at::Tensor()), query, gain.value_or(at::Tensor()),
+                        out_norm_weight.value_or(at::Tensor())};
+    saved.insert(saved.end(), sources.begin(), sources.end());
+    ctx->save_for_backward(std::move(saved));
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["out_eps"] = out_eps;
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return once_differentiable(grads, [&] { return gradients(ctx, grads); });
+  }
+
+  static variable_list gradients(AutogradContext* ctx, const variable_list& grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &m = saved[0], &z = saved[1], &u = saved[2], &query = saved[4];
+    const auto c = present(saved[3]), gain = present(saved[5]), out_norm_weight = present(saved[6]);
+    const std::vector<at::Tensor> sources(saved.begin() + 7, saved.end());
+    auto [du, dz, dxs, dc, d_out_w] =
+        merge_sources_bwd(grads[0].contiguous(), m, z, u, sources, c, out_norm_weight,
+                          ctx->saved_data["eps"].toDouble(), ctx->saved_data["out_eps"].toDouble());
+    at::Tensor d_query;
+    std::optional<at::Tensor> d_gain, d_norm;
+    if (!sources.empty()) {
+      std::tie(d_query, d_gain, d_norm) = parameter_grads(Problem(sources), dc, query, gain, out_norm_weight, d_out_w);
+    } else if (out_norm_weight) {
+      d_norm = d_out_w.to(out_norm_weight->scalar_type());
+    }
+    // one per argument of forward: m (a stop-gradient shift), z, u, the sources, the parameters, eps, out_eps, dtype
+    variable_list out{at::Tensor(), dz, du};
+    out.insert(out.end(), dxs.begin(), dxs.end());
+    out.insert(out.end(), {d_query, d_gain.value_or(at::Tensor()), d_norm.value_or(at::Tensor()), {}, {}, {}});
+    return out;
+  }
+};
+
+at::Tensor merge_sources(const at::Tensor& m, const at::Tensor& z, const at::Tensor& u, at::TensorList sources,
+                         const at::Tensor& query, const std::optional<at::Tensor>& gain,
+                         const std::optional<at::Tensor>& out_norm_weight, double eps, double out_eps,
+                         at::ScalarType dtype) {
+  return MergeSources::apply(m, z, u, sources, query, gain, out_norm_weight, eps, out_eps, dtype)[0];
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnres_cpu, m) {
@@ -2029,6 +2084,8 @@ TORCH_LIBRARY(attnres_cpu, m) {
         " Tensor? out_norm_weight, float eps, float out_eps, bool write) -> Tensor");
   m.def("bank_merge(Tensor m, Tensor z, Tensor u, Tensor(a!) prefix, Tensor? output, Tensor query, Tensor gain,"
         " Tensor? out_norm_weight, float eps, float out_eps) -> Tensor");
+  m.def("merge_sources(Tensor m, Tensor z, Tensor u, Tensor[] sources, Tensor query, Tensor? gain,"
+        " Tensor? out_norm_weight, float eps, float out_eps, ScalarType dtype) -> Tensor");
   m.def("merge_sources_fwd(Tensor m, Tensor z, Tensor u, Tensor[] sources, Tensor? c, Tensor? out_norm_weight,"
         " float eps, float out_eps, ScalarType dtype) -> Tensor");
   m.def("merge_sources_bwd(Tensor grad_out, Tensor m, Tensor z, Tensor u, Tensor[] sources, Tensor? c,"
@@ -2049,13 +2106,15 @@ TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("depth_stats_bwd_into", &depth_stats_bwd_into);
   m.impl("bank_aggregate", &bank_aggregate);
   m.impl("bank_merge", &bank_merge);
+  m.impl("merge_sources", &merge_sources);
   m.impl("merge_sources_fwd", &merge_sources_fwd);
   m.impl("merge_sources_bwd", &merge_sources_bwd);
 }
 
-// The two points are their own autograd: the same kernel serves the Autograd key and, for inference tensors (which
-// skip it), the CPU key.
+// The points are their own autograd: the same kernel serves the Autograd key and, for inference tensors (which skip
+// it), the CPU key.
 TORCH_LIBRARY_IMPL(attnres_cpu, Autograd, m) {
   m.impl("point", &point);
   m.impl("chained_point", &chained_point);
+  m.impl("merge_sources", &merge_sources);
 }
