@@ -2001,7 +2001,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tens
 // A point of a Full group's phase 2 as one op with its own autograd node (the op `merge_sources`, the CPU twin of
 // `_MergeSources` in attnres/ops/merge.py, which it equals bit for bit), its query folded and its parameters'
 // gradients formed here as `point`'s are: a Python autograd Function adds about 0.1 ms of interpreter work at every
-// point of a group, forward and backward, more than the kernels take at a few hundred tokens.
+// point of a group, forward and backward.
 struct MergeSources : torch::autograd::Function<MergeSources> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& m, const at::Tensor& z, const at::Tensor& u,
                                at::TensorList sources, const at::Tensor& query, const std::optional<at::Tensor>& gain,
