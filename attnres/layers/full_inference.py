@@ -38,9 +38,9 @@ class FullBankState(NamedTuple):
     """Full's residual state in a bank.
 
     bank: `[N, 2L + 1, d]` for the N tokens, its first `count` rows the sources so far; pending: the newest source in
-    the tokens' shape (the embedding, then the last sublayer output), which the next read writes into row `count` (the
-    bank op takes it as it is and returns the mixture in its shape: a view per point costs a decode step about as much
-    as the kernel's mixing); shape: the tokens' shape `[..., d]`.
+    the tokens' shape (the embedding, then the last sublayer output), which the next read writes into row `count` (as
+    `BankState`'s prefix: the bank op takes it as it is and returns the mixture in its shape); shape: the tokens'
+    shape `[..., d]`.
     """
 
     bank: torch.Tensor
@@ -69,10 +69,11 @@ class FullInference(ReadsWithoutAutograd, FullResidual):
 
     def start(self, embedding):
         rows = len(self.points) if isinstance(self.points, Sequence) else None  # a resumed stream's: only its own
-        x, d = embedding, embedding.shape[-1]
-        if rows is None or torch.compiler.is_compiling() or x.numel() * rows * x.element_size() > BANK_BYTES:
+        n, size = embedding.numel(), embedding.element_size()
+        if rows is None or torch.compiler.is_compiling() or n * rows * size > BANK_BYTES:
             return super().start(embedding)
-        return FullBankState(x.new_empty(x.numel() // d, rows, d), 0, x.contiguous(), x.shape)
+        d = embedding.shape[-1]
+        return FullBankState(embedding.new_empty(n // d, rows, d), 0, embedding.contiguous(), embedding.shape)
 
     def write(self, state, output):
         if isinstance(state, FullBankState):

@@ -103,8 +103,9 @@ def residual_for(
 
     `backward`: the forward has a backward, or reentrant checkpointing will replay it with one: the autograd residuals
     (Full's and Block's one-shot points a chain, except where traced, as `torch.compile` takes the functional op, or
-    within `unchained_points()`, or without `chain`). Otherwise the inference backends: Block's fused bank (docs/design.md section 5) and
-    Full's direct kernel calls; `layerwise` where each layer's weights are at hand during its own forward only (FSDP2).
+    within `unchained_points()`, or without `chain`). Otherwise the inference backends: Block's fused bank
+    (docs/design.md section 5) and Full's direct kernel calls; `layerwise` where each layer's weights are at hand
+    during its own forward only (FSDP2).
     Full's phase-1 groups are as `attn_res_full_group` sets them; chosen (None), none under FSDP2 or activation
     `checkpointing`, which keeps only each layer's input (a group keeps each point's u, `[tokens, d]` fp32).
     """
@@ -132,8 +133,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
 
     `sides` is what the family layer computes in each sublayer (`attnres.models.family.Sublayer`): the model's
     `attn_res_layer_plan`, installed by `install_plan`. `chained`: run alone (a pipeline stage), its points form chains
-    in training (`attnres.ops.chain`); a stage whose schedule runs parts of the backward twice turns it off. Activation checkpointing (`gradient_checkpointing_enable`,
-    or torch's `checkpoint_wrapper`) recomputes the whole layer from the state it took.
+    in training (`attnres.ops.chain`); a stage whose schedule runs parts of the backward twice turns it off.
+    Activation checkpointing (`gradient_checkpointing_enable`, or torch's `checkpoint_wrapper`) recomputes the whole
+    layer from the state it took.
     """
 
     def __init__(self, family_layer: nn.Module, layer_idx: int, config, dim: int, eps: float):
