@@ -391,6 +391,10 @@ inline void mix_rows(const typename K::raw* const* x, const A* p, int64_t count,
   }
 }
 
+// Complete unrolling of the loops over a register tile (their bounds are template constants): where GCC judged a
+// tile's body too large to unroll (with bf16 loads), it kept the tile's sums in an array stored at every step.
+#define ATTNRES_UNROLL _Pragma("GCC unroll 16")
+
 // Register tiles of the phase-1 kernels, which multiply small matrices per token (S queries against R sources): a
 // tile of sums is held in registers while the rows it needs stream past, each register loaded serving several sums.
 // AVX-512's 32 registers hold a 4 x 4 tile with its operands; 16 registers, half of it.
@@ -426,13 +430,13 @@ inline void dot_tiles(const typename K::raw* const* x, int64_t count, const A* c
             Vec<A> acc[JB][KB] = {};
             for (int64_t i = i0; i < i1; i += w) {
               Vec<A> xv[JB], yv[KB];
-              for (int64_t a = 0; a < JB; ++a) xv[a] = K::vload(x[j0 + a] + i);
-              for (int64_t b = 0; b < KB; ++b) yv[b] = Plain<A>::vload(y[k0 + b] + i);
-              for (int64_t a = 0; a < JB; ++a)
-                for (int64_t b = 0; b < KB; ++b) acc[a][b] += xv[a] * yv[b];
+              ATTNRES_UNROLL for (int64_t a = 0; a < JB; ++a) xv[a] = K::vload(x[j0 + a] + i);
+              ATTNRES_UNROLL for (int64_t b = 0; b < KB; ++b) yv[b] = Plain<A>::vload(y[k0 + b] + i);
+              ATTNRES_UNROLL for (int64_t a = 0; a < JB; ++a)
+                ATTNRES_UNROLL for (int64_t b = 0; b < KB; ++b) acc[a][b] += xv[a] * yv[b];
             }
-            for (int64_t a = 0; a < JB; ++a)
-              for (int64_t b = 0; b < KB; ++b) out[(j0 + a) * ld + k0 + b] += hsum<A>(acc[a][b]);
+            ATTNRES_UNROLL for (int64_t a = 0; a < JB; ++a)
+              ATTNRES_UNROLL for (int64_t b = 0; b < KB; ++b) out[(j0 + a) * ld + k0 + b] += hsum<A>(acc[a][b]);
           });
       });
   }
@@ -455,14 +459,14 @@ inline void mix_tiles(const typename K::raw* const* y, int64_t n_y, const A* coe
         Vec<A> acc[OB][VB] = {};
         for (int64_t k = 0; k < n_y; ++k) {
           Vec<A> yv[VB];
-          for (int64_t v = 0; v < VB; ++v) yv[v] = K::vload(y[k] + i + v * w);
-          for (int64_t o = 0; o < OB; ++o) {
+          ATTNRES_UNROLL for (int64_t v = 0; v < VB; ++v) yv[v] = K::vload(y[k] + i + v * w);
+          ATTNRES_UNROLL for (int64_t o = 0; o < OB; ++o) {
             const Vec<A> cf = splat(coef[(o0 + o) * ld + k]);
-            for (int64_t v = 0; v < VB; ++v) acc[o][v] += cf * yv[v];
+            ATTNRES_UNROLL for (int64_t v = 0; v < VB; ++v) acc[o][v] += cf * yv[v];
           }
         }
-        for (int64_t o = 0; o < OB; ++o)
-          for (int64_t v = 0; v < VB; ++v) epi(o0 + o, i + v * w, acc[o][v]);
+        ATTNRES_UNROLL for (int64_t o = 0; o < OB; ++o)
+          ATTNRES_UNROLL for (int64_t v = 0; v < VB; ++v) epi(o0 + o, i + v * w, acc[o][v]);
       };
       int64_t i = 0;
       for (; i + kTileCols * w <= dv; i += kTileCols * w) tile.template operator()<kTileCols>(i);
