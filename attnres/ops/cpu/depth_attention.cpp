@@ -412,6 +412,16 @@ inline void with_block(int64_t n, F&& f) {
   }
 }
 
+// Holds v in a vector register from here on (an empty asm that takes it there). A value that several FMAs of a tile
+// use is otherwise loaded again at each use, or folded into each FMA as a memory operand, and the loads, up to two
+// per FMA, bound the tile.
+template <class V>
+inline void in_register(V& v) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  asm("" : "+v"(v));
+#endif
+}
+
 // out[j * ld + k] = x_j . y_k for `count` rows x_j (storage K) and n_y rows y_k (accumulator type), in register
 // tiles of kTileRows x kTileCols sums. Each register sum adds at most 32 products before it is added to `out`, so
 // that no partial sum adds up more than a few dozen terms however long the row (as in dot_rows).
@@ -430,8 +440,14 @@ inline void dot_tiles(const typename K::raw* const* x, int64_t count, const A* c
             Vec<A> acc[JB][KB] = {};
             for (int64_t i = i0; i < i1; i += w) {
               Vec<A> xv[JB], yv[KB];
-              ATTNRES_UNROLL for (int64_t a = 0; a < JB; ++a) xv[a] = K::vload(x[j0 + a] + i);
-              ATTNRES_UNROLL for (int64_t b = 0; b < KB; ++b) yv[b] = Plain<A>::vload(y[k0 + b] + i);
+              ATTNRES_UNROLL for (int64_t a = 0; a < JB; ++a) {
+                xv[a] = K::vload(x[j0 + a] + i);
+                if constexpr (JB > 1 && KB > 1) in_register(xv[a]);
+              }
+              ATTNRES_UNROLL for (int64_t b = 0; b < KB; ++b) {
+                yv[b] = Plain<A>::vload(y[k0 + b] + i);
+                if constexpr (JB > 1 && KB > 1) in_register(yv[b]);
+              }
               ATTNRES_UNROLL for (int64_t a = 0; a < JB; ++a)
                 ATTNRES_UNROLL for (int64_t b = 0; b < KB; ++b) acc[a][b] += xv[a] * yv[b];
             }
