@@ -231,6 +231,20 @@ def over(ops: dict, base: dict) -> dict:
     return {key: round(ms, 4) for key, ms in sorted(diff.items(), key=lambda kv: -abs(kv[1])) if abs(ms) >= least}
 
 
+def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name and which of its instruction sets a bf16 step's matmuls and AttnRes's kernels can use (the
+    bf16 ones do not give fp32 products, so the kernels run fp32 FMAs), where Linux says; else the platform's name."""
+    try:
+        info = cpuinfo.read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    pairs = (line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in pairs}
+    name = fields.get("model name", platform.machine())
+    flags = fields.get("flags", "").split()
+    return f"{name} ({', '.join(f for f in ('avx512f', 'avx512_bf16', 'amx_bf16') if f in flags) or 'no AVX-512'})"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -263,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "model": name, "block_size": args.block_size, "device": args.device,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
+        "cpu": cpu_description(),
         "train_shape": [args.batch, args.tokens], "decode": {"batch": 1, "context": args.context},
         **({"profile_rounds": args.profile_rounds} if args.profile else {
             "rounds": args.rounds, "decode_rounds": args.decode_rounds, "warmup": args.warmup}),

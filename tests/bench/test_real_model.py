@@ -61,3 +61,12 @@ def test_the_profile_says_what_block_and_full_run_beyond_the_standard_conversion
         diff = list(row["over_standard"][name].values())
         least = real_model.PROFILE_MIN_SHARE * row["self_cpu_ms"][real_model.STANDARD]
         assert len(diff) > 1 and all(abs(a) >= abs(b) >= least - 1e-4 for a, b in zip(diff, diff[1:]))
+
+
+def test_the_record_names_the_cpu_and_its_bf16_instructions(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU 9000\nflags\t\t: fpu sse avx512f amx_bf16 avx512_bf16\n")
+    assert real_model.cpu_description(info) == "Some CPU 9000 (avx512f, avx512_bf16, amx_bf16)"
+    info.write_text("model name\t: Older CPU\nflags\t\t: fpu sse avx2\n")
+    assert real_model.cpu_description(info) == "Older CPU (no AVX-512)"
+    assert real_model.cpu_description(tmp_path / "absent")  # the platform's name
