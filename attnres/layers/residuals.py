@@ -243,7 +243,8 @@ class FullResidual(Residual):
     forward and backward, and keeps its u (`[N, d]` fp32) for the backward. A group reads the weights of G points
     from its first: not for FSDP2 (each layer's weights gathered for its own forward only) or a pipeline stage.
     `group=None` chooses: `FULL_GROUP` points where the chain would run and the backend compiles both phases'
-    backward (`full_groups_pay`: the CPU's, 0.74-0.76x the chain's time in `benchmarks/full_training.py`), else none.
+    backward (`full_groups_pay`: the CPU's, 0.34x (fp32) and 0.50x (bf16) the chain's time in
+    `benchmarks/full_training.py`), else none.
     """
 
     def __init__(self, num_layers, points, *, rescale_mixture=False, record=None, chain=False,
@@ -399,7 +400,7 @@ class BlockResidual(Residual):
 
 
 # Points per phase-1 group where Full chooses groups (`FullResidual(group=None)`): in `benchmarks/full_training.py` at
-# SmolLM2-135M's shape, the fastest in bf16 and within 2% of the fastest (4) in fp32.
+# SmolLM2-135M's shape, the fastest of 4 to 16 in fp32 and in bf16.
 FULL_GROUP = 8
 
 
