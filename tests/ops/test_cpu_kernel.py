@@ -9,6 +9,9 @@ is switched off with ATTNRES_DISABLE_CPU_KERNEL=1.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -475,6 +478,33 @@ def test_failed_build_raises_with_the_compiler_output(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="compiling depth_attention.cpp failed"):
         build.build_library()
     assert not list(tmp_path.glob("*.so")), "a failed build must leave no library behind"
+
+
+def test_builds_unused_for_a_month_are_pruned_and_loading_marks_a_build_used(monkeypatch, tmp_path):
+    now = 1e9
+    day = 86400
+    names = {"old": now - 40 * day, "recent": now - 2 * day, "kept": now - 90 * day}
+    for name, mtime in names.items():
+        for suffix in (".so", ".lock"):
+            path = tmp_path / f"attnres_cpu_{name}{suffix}"
+            path.write_bytes(b"")
+            os.utime(path, (mtime, mtime))
+    other = tmp_path / "unrelated.so"
+    other.write_bytes(b"")
+    os.utime(other, (0, 0))
+    keep = tmp_path / "attnres_cpu_kept.so"
+    assert build.prune_unused(tmp_path, keep=keep, now=now) == [tmp_path / "attnres_cpu_old.so"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["attnres_cpu_kept.lock", "attnres_cpu_kept.so", "attnres_cpu_recent.lock", "attnres_cpu_recent.so",
+                    "unrelated.so"]
+
+    # a process that finds its build in the cache marks it used now
+    library = build.build_library()
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    cached = tmp_path / library.name
+    shutil.copyfile(library, cached)
+    os.utime(cached, (now, now))
+    assert build.build_library() == cached and cached.stat().st_mtime > now + 365 * day
 
 
 def _point_params(d, dtype, gain, out_norm, rows):

@@ -4,7 +4,8 @@ The kernel is built by the system C++ compiler (`$CXX`, default `c++`) straight 
 registers its ops with the PyTorch dispatcher: no ninja, no pybind11, no Python headers. It is compiled for the
 machine it runs on (`-march=native`) and cached under `$ATTNRES_CACHE_DIR` (default `~/.cache/attnres`), keyed by
 the source, the torch version, the compiler command and the CPU, so a later process only loads it. A build takes
-about 45 s of one core, once per machine and torch version.
+about 45 s of one core, once per machine and torch version. A build no process has loaded for `UNUSED_DAYS` days is
+removed when another is made: a machine that follows the source would otherwise keep every build (about 1.3 MB each).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import platform
 import shlex
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +26,7 @@ from torch.utils import cpp_extension
 
 SOURCE = Path(__file__).with_name("depth_attention.cpp")
 CACHE_ENV = "ATTNRES_CACHE_DIR"
+UNUSED_DAYS = 30
 FLAGS = ["-O3", "-march=native", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-DNDEBUG", "-w"]
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ def build_library() -> Path:
     folder = cache_dir()
     library = folder / f"attnres_cpu_{key}.so"
     if library.exists():
+        _mark_used(library)
         return library
     folder.mkdir(parents=True, exist_ok=True)
     # one compiler at a time: processes started together (test workers) wait for the first instead of all
@@ -92,4 +96,30 @@ def build_library() -> Path:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+    prune_unused(folder, keep=library)
     return library
+
+
+def _mark_used(library: Path) -> None:
+    """A build's modification time is when a process last loaded it, which `prune_unused` goes by (a read-only cache
+    keeps its times)."""
+    try:
+        os.utime(library)
+    except OSError:
+        pass
+
+
+def prune_unused(folder: Path, keep: Path, now: float | None = None) -> list[Path]:
+    """Removes the builds in `folder` that no process has loaded for `UNUSED_DAYS` days, but `keep`, with their lock
+    files; returns them. One removed while a process loads it makes that process fall back to the torch path."""
+    oldest = (time.time() if now is None else now) - UNUSED_DAYS * 86400
+    removed = []
+    for build in folder.glob("attnres_cpu_*.so"):
+        try:
+            if build != keep and build.stat().st_mtime < oldest:
+                build.unlink()
+                build.with_suffix(".lock").unlink(missing_ok=True)
+                removed.append(build)
+        except OSError:  # another process removed it first
+            pass
+    return removed
