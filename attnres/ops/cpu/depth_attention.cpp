@@ -178,17 +178,31 @@ inline Vec<A> splat(A a) {
 }
 
 // The sum of a register's lanes by halving (log2 of the width in adds, not a chain of one add per lane). The halves
-// are shuffles, not copies through memory: a copy takes the register's address, and GCC then keeps a whole tile of
-// sums on the stack (dot_tiles' 4 x 1 tiles, 3-4x slower).
+// are shuffles where the compiler has __builtin_shufflevector (GCC 12, Clang): a copy through memory, as GCC 11 takes
+// them, takes the register's address, and GCC then keeps a whole tile of sums on the stack (dot_tiles' 4 x 1 tiles,
+// 3-4x slower; lane-by-lane copies measured 1.1-1.3x slower than shuffles).
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define ATTNRES_SHUFFLE_HALVES 1
+#endif
+#endif
 template <class V, int64_t N>
 inline auto fold_halves(V v) {
   if constexpr (N == 2) {
     return v[0] + v[1];
   } else {
+#ifdef ATTNRES_SHUFFLE_HALVES
     return [&]<size_t... I>(std::index_sequence<I...>) {
       return fold_halves<decltype(__builtin_shufflevector(v, v, I...)), N / 2>(
           __builtin_shufflevector(v, v, I...) + __builtin_shufflevector(v, v, (I + N / 2)...));
     }(std::make_index_sequence<N / 2>{});
+#else
+    using Half = typename VecOf<std::remove_cvref_t<decltype(v[0])>, N / 2>::type;
+    Half lo, hi;
+    std::memcpy(&lo, &v, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+    return fold_halves<Half, N / 2>(lo + hi);
+#endif
   }
 }
 template <class A>
