@@ -219,6 +219,7 @@ def profile(fns: dict, device: str, rounds: int) -> dict:
     }
     record = {"self_cpu_ms": {name: sum(e["self_ms"] for e in o.values()) for name, o in ops.items()}, "ops": ops}
     record["over_standard"] = {name: over(ops[name], ops[STANDARD]) for name in (BLOCK, FULL)}
+    record["parts_over_standard"] = {name: parts(ops[name], ops[STANDARD]) for name in (BLOCK, FULL)}
     return record
 
 
@@ -229,6 +230,35 @@ def over(ops: dict, base: dict) -> dict:
     least = PROFILE_MIN_SHARE * sum(e["self_ms"] for e in base.values())
     diff = {key: ops.get(key, none)["self_ms"] - base.get(key, none)["self_ms"] for key in ops.keys() | base.keys()}
     return {key: round(ms, 4) for key, ms in sorted(diff.items(), key=lambda kv: -abs(kv[1])) if abs(ms) >= least}
+
+
+# The parts of a step that AttnRes adds or removes, by the ops (profiler keys) that make each up: a C++ autograd node's
+# backward is its `CppNode<...>` key.
+PROFILE_PARTS = {
+    "fused norms (attnres_cpu::point and its backward)": (
+        "attnres_cpu::point", "torch::autograd::CppNode<(anonymous namespace)::Point>"),
+    "Block's chained points (attnres_cpu::chained_point and its backward)": (
+        "attnres_cpu::chained_point", "torch::autograd::CppNode<(anonymous namespace)::ChainedPoint>"),
+    "Full's phase 1 (depth_stats_fwd, depth_stats_bwd_into)": (
+        "attnres_cpu::depth_stats_fwd", "attnres_cpu::depth_stats_bwd_into"),
+    "Full's phase 2 (attnres_cpu::merge_sources and its backward)": (
+        "attnres_cpu::merge_sources", "torch::autograd::CppNode<(anonymous namespace)::MergeSources>"),
+    "Full's phase-1 chain in Python (_ChainedStats and its backward)": ("_ChainedStats", "_ChainedStatsBackward"),
+    "fused reads (attnres_cpu::bank_aggregate)": ("attnres_cpu::bank_aggregate",),
+}
+
+
+def parts(ops: dict, base: dict) -> dict:
+    """`ops`' self time per call minus `base`'s (ms) for each of PROFILE_PARTS that differs, then "every other op" and
+    "in all", each with its share of `base`'s total (the docs' table of where a step's extra time goes)."""
+    none = {"self_ms": 0.0}
+    total = sum(e["self_ms"] for e in base.values())
+    diff = {key: ops.get(key, none)["self_ms"] - base.get(key, none)["self_ms"] for key in ops.keys() | base.keys()}
+    out = {part: sum(diff.get(key, 0.0) for key in keys) for part, keys in PROFILE_PARTS.items()}
+    out = {part: ms for part, ms in out.items() if ms}
+    every = sum(diff.values())
+    out |= {"every other op": every - sum(out.values()), "in all": every}
+    return {part: {"ms": round(ms, 1), "share": round(ms / total, 4)} for part, ms in out.items()}
 
 
 def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:

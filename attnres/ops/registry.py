@@ -41,7 +41,7 @@ OPS = (
     "depth_stats_bwd_into",
     "merge_prefix_fwd", "merge_prefix_bwd",  # phase 2 (ops/merge.py)
     "merge_sources_fwd", "merge_sources_bwd",  # phase 2 of a group of Full points (ops/merge.py)
-    "merge_sources",  # such a point as one op with its own autograd node on plain tensors: merge_sources's
+    "merge_sources",  # one such point with its own autograd node, on plain tensors (merge.py's merge_sources)
     "bank_aggregate", "bank_merge",  # the fused inference ops (ops/bank.py)
 )
 # the ops whose rows (sources, queries) are limited

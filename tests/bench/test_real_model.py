@@ -61,6 +61,11 @@ def test_the_profile_says_what_block_and_full_run_beyond_the_standard_conversion
         diff = list(row["over_standard"][name].values())
         least = real_model.PROFILE_MIN_SHARE * row["self_cpu_ms"][real_model.STANDARD]
         assert len(diff) > 1 and all(abs(a) >= abs(b) >= least - 1e-4 for a, b in zip(diff, diff[1:]))
+        part = row["parts_over_standard"][name]
+        assert part["fused reads (attnres_cpu::bank_aggregate)"]["ms"] > 0
+        assert abs(sum(v["ms"] for k, v in part.items() if k != "in all") - part["in all"]["ms"]) < 0.1 * len(part)
+        everything = row["self_cpu_ms"][name] - row["self_cpu_ms"][real_model.STANDARD]
+        assert abs(part["in all"]["ms"] - everything) < 0.1
 
 
 def test_the_record_names_the_cpu_and_its_bf16_instructions(tmp_path):

@@ -451,16 +451,17 @@ inline void dot_tiles(const typename K::raw* const* x, int64_t count, const A* c
       with_block<kTileRows>(count - j0, [&]<int64_t JB>() {
         for (int64_t k0 = 0; k0 < n_y; k0 += kTileCols)
           with_block<kTileCols>(n_y - k0, [&]<int64_t KB>() {
+            constexpr bool shared = JB > 1 && KB > 1;  // each operand serves several FMAs (4 x 1 tiles: faster without)
             Vec<A> acc[JB][KB] = {};
             for (int64_t i = i0; i < i1; i += w) {
               Vec<A> xv[JB], yv[KB];
               ATTNRES_UNROLL for (int64_t a = 0; a < JB; ++a) {
                 xv[a] = K::vload(x[j0 + a] + i);
-                if constexpr (JB > 1 && KB > 1) in_register(xv[a]);
+                if constexpr (shared) in_register(xv[a]);
               }
               ATTNRES_UNROLL for (int64_t b = 0; b < KB; ++b) {
                 yv[b] = Plain<A>::vload(y[k0 + b] + i);
-                if constexpr (JB > 1 && KB > 1) in_register(yv[b]);
+                if constexpr (shared) in_register(yv[b]);
               }
               ATTNRES_UNROLL for (int64_t a = 0; a < JB; ++a)
                 ATTNRES_UNROLL for (int64_t b = 0; b < KB; ++b) acc[a][b] += xv[a] * yv[b];
@@ -1139,9 +1140,9 @@ void stats_backward_kernel(const typename K::acc* grad_z, const std::vector<Rows
       for (int64_t j = 0; j < n_src; ++j) x[j] = src[j][n];
       for (int64_t q = 0; q < n_q; ++q) y[q] = grad_u[q][n];
       dot_tiles<K>(x.data(), n_src, y.data(), n_y, d, dots.data(), n_y);
-      for (int64_t j = 0; j < n_src; ++j) {
-        const A r = rstd[j * n_tok + n];
-        for (int64_t q = 0; q < n_q; ++q) p[j * n_q + q] = dots[j * n_y + n_q + q] * r - m[q * n_tok + n];
+      for (int64_t j = 0; j < n_src; ++j) {  // the scores s_qj in place of the dots with c, then the p_qj
+        A* sj = dots.data() + j * n_y + n_q;
+        for (int64_t q = 0; q < n_q; ++q) p[j * n_q + q] = (sj[q] *= rstd[j * n_tok + n]) - m[q * n_tok + n];
       }
       exp_in_place(p.data(), n_src * n_q);
       for (int64_t j = 0; j < n_src; ++j) {
@@ -1149,7 +1150,7 @@ void stats_backward_kernel(const typename K::acc* grad_z, const std::vector<Rows
         A* wj = dots.data() + j * n_y;
         A sum = 0;
         for (int64_t q = 0; q < n_q; ++q) {
-          const A s = wj[n_q + q] * r, pq = p[j * n_q + q];
+          const A s = wj[n_q + q], pq = p[j * n_q + q];
           const A coef = pq * (grad_z[q * n_tok + n] + wj[q]) * r;
           sum += coef * s;
           wj[q] = pq, wj[n_q + q] = coef_t[q * n_src + j] = coef;
