@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
+import resource
 import statistics
 import sys
 from pathlib import Path
@@ -175,12 +177,31 @@ def case_functions(case: str, models: dict, tokens: torch.Tensor, args) -> dict:
     return {name: decode_step(m, context, token) for name, m in models.items()}
 
 
-def summarise(times: dict[str, list[float]]) -> dict:
+def counting_faults(fns: dict) -> tuple[dict, dict[str, list[int]]]:
+    """The functions, each wrapped to record the process's minor page faults during each of its calls, and the lists
+    they record into. A fault is the kernel mapping a page of memory freshly allocated: the C library's malloc returns
+    large freed blocks to the kernel, so a step that allocates them again pays for their pages again, in system time
+    that every model pays alike (the same cost in each ratio's numerator and denominator)."""
+    faults: dict[str, list[int]] = {name: [] for name in fns}
+
+    def counted(name, fn):
+        def call():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            fn()
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+        return call
+
+    return {name: counted(name, fn) for name, fn in fns.items()}, faults
+
+
+def summarise(times: dict[str, list[float]], faults: dict[str, list[int]]) -> dict:
     rounds = len(times[ORIGINAL])
     ratios = {name: [t[i] / times[ORIGINAL][i] for i in range(rounds)] for name, t in times.items() if name != ORIGINAL}
     return {
         "ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
         "ratio": {name: statistics.median(r) for name, r in ratios.items()},
+        "page_faults": {name: statistics.median(f[-rounds:]) for name, f in faults.items()},
         "round_ratios": ratios,
         "seconds": times,
     }
@@ -261,6 +282,17 @@ def parts(ops: dict, base: dict) -> dict:
     return {part: {"ms": round(ms, 1), "share": round(ms / total, 4)} for part, ms in out.items()}
 
 
+# what changes how the C library's malloc hands memory back to the kernel (and so the page faults of each step)
+ALLOCATOR_VARIABLES = ("LD_PRELOAD", "GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def allocator_description(environ=os.environ) -> str:
+    """The process's malloc settings from its environment (a preloaded allocator, glibc's tunables), or that it runs
+    the C library's malloc as it comes."""
+    settings = [f"{name}={environ[name]}" for name in ALLOCATOR_VARIABLES if environ.get(name)]
+    return "; ".join(settings) or "the C library's malloc, default settings"
+
+
 def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The CPU's model name and which of its instruction sets a bf16 step's matmuls and AttnRes's kernels can use (the
     bf16 ones do not give fp32 products, so the kernels run fp32 FMAs), where Linux says; else the platform's name."""
@@ -299,15 +331,19 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"case": case, "dtype": dtype_name, **profile(fns, args.device, args.profile_rounds)})
                 continue
             rounds = args.rounds if case == "train" else args.decode_rounds
-            row = {"case": case, "dtype": dtype_name, **summarise(round_times(fns, rounds, args.warmup, args.device))}
+            fns, faults = counting_faults(fns)
+            times = round_times(fns, rounds, args.warmup, args.device)
+            row = {"case": case, "dtype": dtype_name, **summarise(times, faults)}
             results.append(row)
-            print(f"{case:6s} {dtype_name}: original {row['ms'][ORIGINAL]:8.1f} ms; "
+            print(f"{case:6s} {dtype_name}: original {row['ms'][ORIGINAL]:8.1f} ms, "
+                  f"{row['page_faults'][ORIGINAL]:.0f} page faults; "
                   + "; ".join(f"{k} {row['ratio'][k]:.3f}x" for k in (COPY, STANDARD, BLOCK, FULL)), flush=True)
         del models
     record = {
         "model": name, "block_size": args.block_size, "device": args.device,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
         "cpu": cpu_description(),
+        "allocator": allocator_description(),
         "train_shape": [args.batch, args.tokens], "decode": {"batch": 1, "context": args.context},
         **({"profile_rounds": args.profile_rounds} if args.profile else {
             "rounds": args.rounds, "decode_rounds": args.decode_rounds, "warmup": args.warmup}),

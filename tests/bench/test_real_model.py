@@ -75,3 +75,38 @@ def test_the_record_names_the_cpu_and_its_bf16_instructions(tmp_path):
     info.write_text("model name\t: Older CPU\nflags\t\t: fpu sse avx2\n")
     assert real_model.cpu_description(info) == "Older CPU (no AVX-512)"
     assert real_model.cpu_description(tmp_path / "absent")  # the platform's name
+
+
+def test_each_call_counts_the_page_faults_of_fresh_memory():
+    import mmap
+
+    def touch_fresh_pages():
+        with mmap.mmap(-1, 64 * mmap.PAGESIZE) as memory:
+            for page in range(64):
+                memory[page * mmap.PAGESIZE] = 1
+
+    fns, faults = real_model.counting_faults({"fresh": touch_fresh_pages, "none": lambda: None})
+    for _ in range(3):
+        fns["fresh"](), fns["none"]()
+    assert len(faults["fresh"]) == len(faults["none"]) == 3
+    assert all(f >= 64 for f in faults["fresh"]) and all(f < 64 for f in faults["none"])
+
+
+def test_the_record_names_the_allocator_settings():
+    assert real_model.allocator_description({}) == "the C library's malloc, default settings"
+    env = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1073741824", "LD_PRELOAD": "", "HOME": "/root"}
+    assert real_model.allocator_description(env) == "GLIBC_TUNABLES=glibc.malloc.trim_threshold=1073741824"
+
+
+def test_a_timed_run_gives_each_models_ratio_and_page_faults(tmp_path):
+    import json
+
+    out = tmp_path / "timed.json"
+    assert real_model.main(["--smoke", "--cases", "decode", "--dtypes", "fp32", "--decode-rounds", "3",
+                            "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["allocator"] == real_model.allocator_description()
+    (row,) = record["results"]
+    names = {real_model.ORIGINAL, real_model.COPY, real_model.STANDARD, real_model.BLOCK, real_model.FULL}
+    assert set(row["ms"]) == set(row["page_faults"]) == names and set(row["ratio"]) == names - {real_model.ORIGINAL}
+    assert all(len(row["seconds"][name]) == 3 and row["page_faults"][name] >= 0 for name in names)
