@@ -181,7 +181,7 @@ def counting_faults(fns: dict) -> tuple[dict, dict[str, list[int]]]:
     """The functions, each wrapped to record the process's minor page faults during each of its calls, and the lists
     they record into. A fault is the kernel mapping a page of memory freshly allocated: the C library's malloc returns
     large freed blocks to the kernel, so a step that allocates them again pays for their pages again, in system time
-    that every model pays alike (the same cost in each ratio's numerator and denominator)."""
+    that every model pays about alike (it shrinks every ratio)."""
     faults: dict[str, list[int]] = {name: [] for name in fns}
 
     def counted(name, fn):
@@ -201,6 +201,7 @@ def summarise(times: dict[str, list[float]], faults: dict[str, list[int]]) -> di
     return {
         "ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
         "ratio": {name: statistics.median(r) for name, r in ratios.items()},
+        # the timed calls' faults: round_times' warm-up calls come first
         "page_faults": {name: statistics.median(f[-rounds:]) for name, f in faults.items()},
         "round_ratios": ratios,
         "seconds": times,
